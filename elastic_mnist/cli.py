@@ -1,0 +1,51 @@
+"""`elastic-mnist` subcommands; each lives in its own module exposing `main(argv) -> int`.
+
+    elastic-mnist train --data-dir ../shared/data --epochs 1
+    elastic-mnist etcd --port 2379
+    elastic-mnist local --nodes 2 --max-nodes 4 --chaos 'kill:n1@step=150'
+    elastic-mnist status --rdzv-endpoint 127.0.0.1:2379 --rdzv-id job1
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from elastic_mnist.errors import UserError
+
+# Imported lazily: `status` and `etcd` must not pay for importing torch.
+SUBCOMMANDS = {
+    "train": ("elastic_mnist.train", "run one elastic DDP worker (under torchrun) or a single process"),
+    "etcd": ("elastic_mnist.etcd_server", "run the embedded etcd for rendezvous"),
+    "local": ("elastic_mnist.launcher", "embedded etcd + N torchrun nodes on this machine, with fault injection"),
+    "status": ("elastic_mnist.status", "rendezvous round, members and latest checkpoint of a job"),
+    "bench": ("bench.__main__", "the benchmark suite"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: elastic-mnist {" + ",".join(SUBCOMMANDS) + "} [flags...]", "", "subcommands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines.append("\n`elastic-mnist SUBCOMMAND --help` lists a subcommand's flags.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"elastic-mnist: error: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        return int(module.main(rest) or 0)
+    except UserError as e:
+        print(f"elastic-mnist {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"elastic-mnist {name}: interrupted", file=sys.stderr)
+        return 130
