@@ -1,0 +1,135 @@
+"""Typed training config: dataclass fields become `elastic-mnist train` flags.
+
+    python -m elastic_mnist.train --help
+
+Each field's one-line docstring (the string under it) is its --help text. The fingerprint covers the
+fields that make two checkpoints incompatible (model shape, batch size, data set, seed); everything
+else (paths, logging, timeouts) may change between restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+from elastic_mnist.errors import UserError
+
+# The one env var Kubernetes needs: a pod spec can point every command at a mounted data volume.
+DATA_DIR_ENV = "ELASTIC_MNIST_DATA_DIR"
+
+
+@dataclass
+class TrainConfig:
+    """One elastic DDP worker training the MLP on MNIST; run it under torchrun (or alone for one process)."""
+
+    data_dir: str = field(default_factory=lambda: os.environ.get(DATA_DIR_ENV, "data"))
+    """Root holding MNIST/raw/*-ubyte (torchvision layout); default $ELASTIC_MNIST_DATA_DIR or ./data."""
+    download: bool = False
+    """Download MNIST into --data-dir with torchvision when it is missing (needs internet)."""
+    checkpoint_dir: str = "checkpoints"
+    """Directory for checkpoints; shared by all nodes (rank 0 writes, every rank reads)."""
+    log_dir: str = "runs"
+    """Directory for TensorBoard event files and summary.json (rank 0 writes)."""
+    epochs: int = 10
+    """Number of passes over the training set."""
+    max_steps: int = 0
+    """Stop after this many global optimizer steps (0: no limit; --epochs decides)."""
+    global_batch_size: int = 128
+    """Samples per optimizer step over all ranks together; each rank takes its share."""
+    lr: float = 1e-3
+    """Adam learning rate."""
+    hidden: int = 512
+    """Width of the MLP's hidden layer (784-HIDDEN-10)."""
+    seed: int = 0
+    """Seed for the weights and for each epoch's permutation of the data."""
+    backend: str = "auto"
+    """Process group backend: auto (nccl when every local rank has a GPU, else gloo), gloo or nccl."""
+    collective_timeout: float = 60.0
+    """Seconds a collective may wait for a dead or frozen peer before the step fails."""
+    checkpoint_every: int = 100
+    """Save a checkpoint every this many optimizer steps (and at each epoch end); 0 disables periodic saves."""
+    keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep."""
+    sample_log: str = ""
+    """Directory for per-rank JSONL logs of the dataset indices used at every step (empty: off)."""
+    log_every: int = 50
+    """Print a progress line every this many steps (rank 0)."""
+    min_step_time: float = 0.0
+    """Pace training to at least this many seconds per step (demos and fault-injection tests)."""
+
+    def validate(self) -> None:
+        if self.epochs <= 0:
+            raise UserError(f"--epochs must be positive, got {self.epochs}")
+        if self.global_batch_size <= 0:
+            raise UserError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        if self.max_steps < 0:
+            raise UserError(f"--max-steps must be >= 0 (0 = no limit), got {self.max_steps}")
+        if self.lr <= 0 or self.hidden <= 0:
+            raise UserError("--lr and --hidden must be positive")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise UserError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.collective_timeout <= 0:
+            raise UserError(f"--collective-timeout must be positive, got {self.collective_timeout}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise UserError("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
+        if self.log_every < 1 or self.min_step_time < 0:
+            raise UserError("--log-every must be >= 1 and --min-step-time >= 0")
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.global_batch_size < world_size:
+            raise UserError(
+                f"--global-batch-size {self.global_batch_size} is smaller than the world size {world_size}: "
+                "every rank needs at least one sample per step; raise the batch size or use fewer workers")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of the fields a checkpoint must agree on; paths and logging are free to change."""
+        key = {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# `dataset` is added by the trainer (training-set size and label hash), so a checkpoint trained on
+# another data set is refused too.
+FINGERPRINT_FIELDS = ("global_batch_size", "hidden", "seed", "lr")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, read from the source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[prev.target.id] = node.value.value
+    return docs
+
+
+def build_parser(cls: type = TrainConfig, prog: str = "elastic-mnist train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip() or None)
+    docs = field_docs(cls)
+    defaults = cls()
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_ = f"{docs.get(f.name, '')} (default: {default!r})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, type=type(default), default=default, help=help_)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Flags → a validated TrainConfig; bad values exit through argparse or raise UserError."""
+    ns = build_parser().parse_args(argv)
+    config = TrainConfig(**vars(ns))
+    config.validate()
+    return config

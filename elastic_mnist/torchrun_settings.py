@@ -1,0 +1,41 @@
+"""The torchrun settings an elastic job needs, in one place: the local launcher, the Kubernetes
+manifests (checked by tests/test_k8s.py) and the README all use these.
+
+    python -c "from elastic_mnist.torchrun_settings import torchrun_args; print(torchrun_args('etcd'))"
+"""
+
+from __future__ import annotations
+
+# Every membership change restarts the surviving workers and counts as one restart for torchrun's
+# failure path (a crash, a preemption): a long spot run sees many, so the budget must be large.
+MAX_RESTARTS = 100
+
+# How often the agent checks its workers and the rendezvous for waiting nodes (torch's default is 0.1 s).
+MONITOR_INTERVAL = 0.5
+
+# Rendezvous timing per backend. last_call_timeout is how long a round stays open for late joiners
+# after min nodes arrived: torch's 30 s default is the bulk of a recovery.
+RDZV_CONF = {
+    "etcd": {"timeout": 600, "last_call_timeout": 1},
+    "etcd-v3": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 2},
+    "etcd-v2": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 2},
+}
+
+
+def rdzv_conf(backend: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in RDZV_CONF[backend].items())
+
+
+def torchrun_args(backend: str, endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 4,
+                  nproc_per_node: int | str = 1) -> list[str]:
+    """The torchrun flags for one node of an elastic job (the program and its flags follow)."""
+    return [
+        f"--nnodes={min_nodes}:{max_nodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--rdzv-backend={backend}",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={rdzv_conf(backend)}",
+        f"--max-restarts={MAX_RESTARTS}",
+        f"--monitor-interval={MONITOR_INTERVAL}",
+    ]
