@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import hashlib
 import inspect
-import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -90,10 +88,9 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def fingerprint(self) -> str:
-        """Hash of the fields a checkpoint must agree on; paths and logging are free to change."""
-        key = {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    def fingerprint(self) -> dict:
+        """The fields a checkpoint must agree on; paths, logging and timeouts are free to change."""
+        return {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
 
 
 # `dataset` is added by the trainer (training-set size and label hash), so a checkpoint trained on

@@ -1,0 +1,191 @@
+"""Checkpoints: durable, verified, never overwritten, written in the background.
+
+    python -c "from elastic_mnist.checkpoint import describe_latest; print(describe_latest('checkpoints'))"
+
+File `ckpt-{step:09d}.pt` = 8-byte magic, u32 format version, sha256 of the payload, then the payload
+(torch.save of a dict of tensors and plain values, loaded with weights_only=True). Written to a temp
+file, fsynced, then hard-linked into place: a name, once it exists, always holds a complete, verified
+file, and a late writer (a node that woke from a freeze) can never replace it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from elastic_mnist.errors import UserError
+
+MAGIC = b"EMNISTCK"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct(">8sI32s")
+_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that is truncated, corrupt or not ours."""
+
+
+def encode(state: dict) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, hashlib.sha256(payload).digest()) + payload
+
+
+def decode(blob: bytes, name: str = "checkpoint") -> dict:
+    if len(blob) < _HEADER.size:
+        raise CheckpointError(f"{name}: truncated ({len(blob)} bytes)")
+    magic, version, digest = _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise CheckpointError(f"{name}: not an elastic-mnist checkpoint")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{name}: format version {version}, this code reads {FORMAT_VERSION}")
+    payload = memoryview(blob)[_HEADER.size:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"{name}: checksum mismatch (truncated or corrupt)")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def path_for(directory: str, step: int) -> str:
+    return os.path.join(directory, f"ckpt-{step:09d}.pt")
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint-named file, newest first; temp files are not listed."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := _NAME.match(n))]
+    return sorted(found, reverse=True)
+
+
+def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
+    """Write data at path atomically; unless replace, False (and nothing written) if path exists."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # unlike os.replace, never clobbers a file another writer completed
+    except FileExistsError:
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return True
+
+
+def load_latest(directory: str, warn: Callable[[str], None] = print) -> tuple[dict, str] | None:
+    """The newest checkpoint that verifies; a damaged newer one is skipped with a warning naming it."""
+    for _, path in list_checkpoints(directory):
+        try:
+            with open(path, "rb") as f:
+                return decode(f.read(), path), path
+        except (CheckpointError, OSError, RuntimeError) as e:
+            warn(f"warning: skipping checkpoint {path}: {e}")
+    return None
+
+
+def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
+    """Refuse a checkpoint from another model shape, batch size, seed or data set."""
+    theirs = state.get("fingerprint", {})
+    diffs = [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in fingerprint.items() if theirs.get(k) != v]
+    if diffs:
+        raise UserError(
+            f"checkpoint {path} belongs to another configuration: {'; '.join(diffs)}. Use the original "
+            "flags, or a different --checkpoint-dir for a new run (nothing was deleted)")
+
+
+def ensure_writable(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-probe-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"checkpoint dir {directory} is not writable ({e.strerror}); fix its permissions "
+                        "or pass another --checkpoint-dir") from None
+
+
+def prune(directory: str, keep: int) -> list[str]:
+    removed = []
+    for _, path in list_checkpoints(directory)[keep:]:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # another writer pruned it first
+            pass
+    return removed
+
+
+def describe_latest(directory: str) -> dict | None:
+    """Step, epoch, path and age of the newest valid checkpoint (for `status` and reports)."""
+    found = load_latest(directory, warn=lambda _msg: None)
+    if found is None:
+        return None
+    state, path = found
+    return {"path": path, "step": state["step"], "epoch": state["epoch"], "world_size": state["world_size"],
+            "saved_at": state["saved_at"], "age_s": round(time.time() - state["saved_at"], 1)}
+
+
+@dataclass
+class CheckpointWriter:
+    """Rank 0's writer: at most one write in flight; the caller blocks only to snapshot the state."""
+
+    directory: str
+    keep: int
+    saved: int = 0
+    skipped: int = 0
+    block_ms: list = field(default_factory=list)
+    last_path: str = ""
+    _thread: threading.Thread | None = None
+    _error: BaseException | None = None
+
+    def save(self, state: dict, step: int, block: bool = False) -> None:
+        """state must already be a snapshot (CPU copies): training goes on while the thread writes."""
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(state, step), daemon=True, name="ckpt-writer")
+        self._thread.start()
+        if block:
+            self.wait()
+
+    def _write(self, state: dict, step: int) -> None:
+        try:
+            path = path_for(self.directory, step)
+            if write_durable(path, encode(state)):
+                self.saved += 1
+                self.last_path = path
+                prune(self.directory, self.keep)
+            else:
+                self.skipped += 1
+        except BaseException as e:  # surfaced on the training thread by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error

@@ -1,0 +1,156 @@
+"""MNIST as normalized tensors, and the world-size-invariant batch plan.
+
+    python -c "from elastic_mnist.data import BatchPlan; print(BatchPlan(60000, 128, 0).rank_indices(5, 3, 1))"
+
+The plan is a function of (seed, epoch, step, global batch) only: epoch e is one permutation seeded by
+(seed, e); global step s of that epoch takes positions [s*B, (s+1)*B); the world size only decides how
+that global batch is split between ranks. So a resize mid-epoch continues at exactly the next unseen
+sample. The last partial batch of each epoch (60000 % 128 = 96 samples) is dropped, for every world
+size alike; each epoch's permutation differs, so no sample is dropped every epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from elastic_mnist.errors import UserError
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+RAW_FILES = {
+    (True, "images"): "train-images-idx3-ubyte",
+    (True, "labels"): "train-labels-idx1-ubyte",
+    (False, "images"): "t10k-images-idx3-ubyte",
+    (False, "labels"): "t10k-labels-idx1-ubyte",
+}
+
+
+@dataclass
+class Split:
+    """One MNIST split, decoded once: images [N, 784] float32 normalized, labels [N] int64."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def to(self, device: torch.device) -> "Split":
+        return Split(self.images.to(device), self.labels.to(device))
+
+    def fingerprint(self) -> str:
+        """Identifies the data set in checkpoints: size and labels (cheap, and differs between data sets)."""
+        digest = hashlib.sha256(self.labels.cpu().numpy().tobytes()).hexdigest()[:12]
+        return f"{len(self)}:{digest}"
+
+
+def load_split(root: str, train: bool, download: bool = False) -> Split:
+    """Read MNIST through torchvision once, then keep it as tensors (no PIL/ToTensor per sample)."""
+    from torchvision.datasets import MNIST
+
+    try:
+        ds = MNIST(root=root, train=train, download=download)
+    except RuntimeError as e:
+        raise UserError(
+            f"MNIST not found under {os.path.join(root, 'MNIST', 'raw')} ({e}). Point --data-dir (or "
+            f"$ELASTIC_MNIST_DATA_DIR) at a directory holding MNIST/raw/*-ubyte, or add --download") from None
+    except OSError as e:
+        raise UserError(f"cannot read MNIST under {root}: {e}; check --data-dir and its permissions") from None
+    images = ds.data.reshape(len(ds.data), -1).float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)
+    return Split(images.contiguous(), ds.targets.long())
+
+
+def write_synthetic_mnist(root: str | Path, n_train: int = 6000, n_test: int = 1000, seed: int = 0) -> Path:
+    """A small learnable stand-in in MNIST's IDX layout, for machines without the real data set.
+
+    Each class is a fixed random stroke pattern plus noise, so a model can reach high accuracy on it.
+    """
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    prototypes = (torch.rand(10, 28, 28, generator=gen) > 0.8).float() * 220
+    for train, n in ((True, n_train), (False, n_test)):
+        labels = torch.randint(0, 10, (n,), generator=gen)
+        noise = torch.rand(n, 28, 28, generator=gen) * 120
+        images = (prototypes[labels] * (torch.rand(n, 1, 1, generator=gen) * 0.5 + 0.5) + noise).clamp(0, 255)
+        _write_idx(raw / RAW_FILES[(train, "images")], images.to(torch.uint8))
+        _write_idx(raw / RAW_FILES[(train, "labels")], labels.to(torch.uint8))
+    return Path(root)
+
+
+def _write_idx(path: Path, array: torch.Tensor) -> None:
+    magic = 0x0800 | array.dim()  # 0x08: unsigned byte
+    header = struct.pack(">I", magic) + b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.numpy().tobytes())
+
+
+def shard_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous share of n items; the first n % world ranks get one more."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass
+class BatchPlan:
+    """(seed, epoch, step, global batch) → dataset indices; never depends on the world size."""
+
+    num_samples: int
+    global_batch_size: int
+    seed: int
+    _perms: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.num_samples, generator=gen)}  # keep one epoch cached
+        return self._perms[epoch]
+
+    def position(self, global_step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of a global step."""
+        return divmod(global_step, self.steps_per_epoch)
+
+    def global_indices(self, global_step: int) -> torch.Tensor:
+        epoch, step = self.position(global_step)
+        b = self.global_batch_size
+        return self.permutation(epoch)[step * b:(step + 1) * b]
+
+    def rank_indices(self, global_step: int, world_size: int, rank: int) -> torch.Tensor:
+        start, end = shard_bounds(self.global_batch_size, world_size, rank)
+        return self.global_indices(global_step)[start:end]
+
+
+class SampleLog:
+    """One JSONL file per rank and (re)start: the dataset indices each optimizer step used."""
+
+    def __init__(self, directory: str, rank: int, world_size: int, restart: int):
+        os.makedirs(directory, exist_ok=True)
+        name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
+        self._file = open(os.path.join(directory, name), "a", buffering=1)
+        self._fixed = {"rank": rank, "world_size": world_size, "restart": restart}
+
+    def write(self, step: int, epoch: int, indices: torch.Tensor) -> None:
+        record = {"step": step, "epoch": epoch, **self._fixed, "time": time.time(), "indices": indices.tolist()}
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_sample_logs(directory: str) -> list[dict]:
+    """Every record of every file in a sample-log directory (for tests and the launcher's report)."""
+    records = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records

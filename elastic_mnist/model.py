@@ -1,0 +1,21 @@
+"""The seed's MLP: 784-512-ReLU-10 with log-softmax (trained with NLL).
+
+    python -c "from elastic_mnist.model import build_model; print(build_model(512))"
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build_model(hidden: int = 512, seed: int = 0) -> nn.Module:
+    """Same weights on every rank and every fresh start: initialization is seeded, not global-RNG luck."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Linear(28 * 28, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 10),
+            nn.LogSoftmax(dim=1),
+        )

@@ -1,0 +1,56 @@
+"""Shared fixtures: MNIST (real when $ELASTIC_MNIST_DATA_DIR points at it, else generated IDX files),
+a small generated data set for fast tests, and helpers to run real worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_mnist.data import RAW_FILES, write_synthetic_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def has_mnist(root: str | os.PathLike) -> bool:
+    raw = Path(root) / "MNIST" / "raw"
+    return all((raw / name).is_file() for name in RAW_FILES.values())
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory) -> tuple[str, bool]:
+    """(root, is_real): the real MNIST when the setting points at it, else a generated stand-in."""
+    root = os.environ.get("ELASTIC_MNIST_DATA_DIR", "")
+    if root and has_mnist(root):
+        return root, True
+    return str(write_synthetic_mnist(tmp_path_factory.mktemp("mnist-generated"), 12000, 2000)), False
+
+
+@pytest.fixture(scope="session")
+def small_mnist(tmp_path_factory) -> str:
+    """A small generated data set (2,000 train / 500 test) so process tests start fast."""
+    return str(write_synthetic_mnist(tmp_path_factory.mktemp("mnist-small"), 2000, 500, seed=1))
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: this interpreter's venv first, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "TORCHELASTIC"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_train(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """One lone worker process (no torchrun), as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "elastic_mnist.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=worker_env(**env), cwd=REPO)
+
+
+def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elastic_mnist.train", *train_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO)

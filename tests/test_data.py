@@ -1,0 +1,66 @@
+"""The batch plan: the union of the ranks' shares is the uninterrupted global batch, for any world
+size and any resize point; each epoch covers every sample once (the dropped tail aside)."""
+
+import torch
+
+from elastic_mnist.data import BatchPlan, load_split, shard_bounds, write_synthetic_mnist
+
+
+def test_shard_bounds_cover_everything_in_order():
+    for n in (1, 7, 128, 1000):
+        for world in range(1, min(n, 5) + 1):
+            bounds = [shard_bounds(n, world, r) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [e - s for s, e in bounds]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_union_of_ranks_equals_global_batch_for_every_world_size():
+    plan = BatchPlan(1000, 128, seed=3)
+    for step in range(0, 3 * plan.steps_per_epoch):
+        expected = plan.global_indices(step)
+        for world in (1, 2, 3, 4):
+            parts = [plan.rank_indices(step, world, r) for r in range(world)]
+            assert torch.equal(torch.cat(parts), expected)
+
+
+def test_resizes_mid_epoch_replay_the_uninterrupted_order():
+    """World sizes change at arbitrary steps; the concatenated sequence of global batches is unchanged."""
+    n, b = 1000, 128
+    straight = BatchPlan(n, b, seed=0)
+    total = 3 * straight.steps_per_epoch
+    schedule = {0: 2, 3: 1, 5: 4, 9: 3, 13: 2, 17: 1}  # step -> new world size
+    world, seen = 2, []
+    for step in range(total):
+        world = schedule.get(step, world)
+        fresh = BatchPlan(n, b, seed=0)  # a restarted process rebuilds the plan from the step alone
+        seen.append(torch.cat([fresh.rank_indices(step, world, r) for r in range(world)]))
+    assert all(torch.equal(s, straight.global_indices(i)) for i, s in enumerate(seen))
+
+
+def test_each_epoch_uses_every_sample_once_and_drops_the_same_tail_size():
+    plan = BatchPlan(1000, 128, seed=0)
+    assert plan.steps_per_epoch == 7  # 1000 // 128; the last 104 are dropped each epoch
+    for epoch in range(3):
+        steps = range(epoch * 7, (epoch + 1) * 7)
+        used = torch.cat([plan.global_indices(s) for s in steps])
+        assert len(used) == len(set(used.tolist())) == 7 * 128
+    e0 = set(torch.cat([plan.global_indices(s) for s in range(7)]).tolist())
+    e1 = set(torch.cat([plan.global_indices(s) for s in range(7, 14)]).tolist())
+    assert e0 != e1, "a different permutation each epoch, so the dropped tail changes"
+
+
+def test_permutation_depends_on_seed_and_epoch_only():
+    a, b, c = BatchPlan(500, 50, 0), BatchPlan(500, 50, 0), BatchPlan(500, 50, 1)
+    assert torch.equal(a.permutation(2), b.permutation(2))
+    assert not torch.equal(a.permutation(2), a.permutation(3))
+    assert not torch.equal(a.permutation(2), c.permutation(2))
+
+
+def test_generated_idx_files_load_through_torchvision(tmp_path):
+    root = write_synthetic_mnist(tmp_path, n_train=300, n_test=50)
+    train, test = load_split(str(root), True), load_split(str(root), False)
+    assert train.images.shape == (300, 784) and test.images.shape == (50, 784)
+    assert train.labels.dtype == torch.int64 and set(train.labels.tolist()) <= set(range(10))
+    assert abs(train.images.mean().item()) < 2.0  # normalized with MNIST's mean/std

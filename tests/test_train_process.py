@@ -1,0 +1,106 @@
+"""The worker as a real process: resume equivalence (the contract), bad input, accuracy."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import run_train
+from elastic_mnist import checkpoint
+from elastic_mnist.data import BatchPlan, read_sample_logs
+
+
+def _args(data: str, tmp, name: str, *extra: str) -> list[str]:
+    return ["--data-dir", data, "--checkpoint-dir", str(tmp / name / "ckpt"), "--log-dir", str(tmp / name / "runs"),
+            "--sample-log", str(tmp / name / "samples"), *extra]
+
+
+def _final_weights(tmp, name: str) -> dict:
+    return torch.load(tmp / name / "runs" / "model.pt", weights_only=True)
+
+
+def test_resume_is_bit_for_bit_equal_to_a_straight_run(small_mnist, tmp_path):
+    """N steps straight == k steps, process exit, restart, N-k steps (same weights to the last bit)."""
+    common = ("--epochs", "3", "--checkpoint-every", "0")  # 15 steps/epoch on the small set
+    straight = run_train(_args(small_mnist, tmp_path, "a", "--max-steps", "20", *common))
+    assert straight.returncode == 0, straight.stderr
+    first = run_train(_args(small_mnist, tmp_path, "b", "--max-steps", "8", *common))
+    assert first.returncode == 0, first.stderr
+    second = run_train(_args(small_mnist, tmp_path, "b", "--max-steps", "20", *common))
+    assert second.returncode == 0, second.stderr
+    assert "[resume] step 8 (epoch 0, position 8)" in second.stdout
+    a, b = _final_weights(tmp_path, "a"), _final_weights(tmp_path, "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = sorted(r["step"] for r in read_sample_logs(str(tmp_path / "b" / "samples")))
+    assert steps == list(range(20)), "no step skipped or repeated across the restart"
+    summary = json.loads((tmp_path / "b" / "runs" / "summary.json").read_text())
+    assert summary["global_step"] == 20 and summary["restarts"] == 1 and summary["epochs_completed"] == 1
+
+
+def test_sample_log_matches_the_plan(small_mnist, tmp_path):
+    run = run_train(_args(small_mnist, tmp_path, "s", "--max-steps", "6", "--global-batch-size", "50"))
+    assert run.returncode == 0, run.stderr
+    records = read_sample_logs(str(tmp_path / "s" / "samples"))
+    plan = BatchPlan(2000, 50, seed=0)
+    assert [r["indices"] for r in records] == [plan.global_indices(s).tolist() for s in range(6)]
+    assert all(r["world_size"] == 1 and r["rank"] == 0 and r["restart"] == 0 for r in records)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--global-batch-size", "-4"], "--global-batch-size must be positive"),
+    (["--backend", "mpi"], "--backend must be auto, gloo or nccl"),
+])
+def test_bad_flags_give_one_line(small_mnist, tmp_path, flags, message):
+    run = run_train(_args(small_mnist, tmp_path, "x", *flags))
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and message in run.stderr
+
+
+def test_missing_data_dir_says_how_to_get_mnist(tmp_path):
+    run = run_train(_args(str(tmp_path / "nowhere"), tmp_path, "m"))
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
+    assert "MNIST not found" in run.stderr and "--download" in run.stderr and "--data-dir" in run.stderr
+
+
+def test_unwritable_checkpoint_dir(small_mnist, tmp_path):
+    (tmp_path / "blocker").write_text("a file where a directory should be")
+    args = ["--data-dir", small_mnist, "--checkpoint-dir", str(tmp_path / "blocker" / "ckpt"),
+            "--log-dir", str(tmp_path / "runs"), "--max-steps", "2"]
+    run = run_train(args)
+    assert run.returncode == 2 and "not writable" in run.stderr and run.stderr.strip().count("\n") == 0
+
+
+def test_checkpoint_of_another_config_is_refused_and_kept(small_mnist, tmp_path):
+    assert run_train(_args(small_mnist, tmp_path, "c", "--max-steps", "3")).returncode == 0
+    before = sorted(os.listdir(tmp_path / "c" / "ckpt"))
+    run = run_train(_args(small_mnist, tmp_path, "c", "--max-steps", "6", "--hidden", "64"))
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
+    assert "hidden 512 (checkpoint) vs 64 (now)" in run.stderr
+    assert sorted(os.listdir(tmp_path / "c" / "ckpt")) == before
+    assert checkpoint.load_latest(str(tmp_path / "c" / "ckpt"))[0]["step"] == 3
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_training_continues(small_mnist, tmp_path):
+    assert run_train(_args(small_mnist, tmp_path, "k", "--max-steps", "6", "--checkpoint-every", "3")).returncode == 0
+    newest = checkpoint.path_for(str(tmp_path / "k" / "ckpt"), 6)
+    with open(newest, "r+b") as f:
+        f.truncate(1000)
+    run = run_train(_args(small_mnist, tmp_path, "k", "--max-steps", "9", "--checkpoint-every", "3"))
+    assert run.returncode == 0, run.stderr
+    assert "skipping checkpoint" in run.stderr and "ckpt-000000006.pt" in run.stderr
+    assert "[resume] step 3 " in run.stdout
+
+
+def test_one_epoch_reaches_the_accuracy_bar(mnist_root, tmp_path):
+    """Real MNIST: >= 96% after one epoch (the issue's bar); the generated stand-in is easier: >= 95%."""
+    root, real = mnist_root
+    run = run_train(["--data-dir", root, "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--log-dir", str(tmp_path / "runs")])
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "runs" / "summary.json").read_text())
+    assert summary["epochs_completed"] == 1 and summary["samples_per_s"] > 0
+    assert summary["test_accuracy"] >= (0.96 if real else 0.95)
+    assert summary["checkpoints_saved"] >= 1 and summary["checkpoint_block_ms_mean"] > 0
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "runs"))
