@@ -52,19 +52,48 @@ class Split:
 
 
 def load_split(root: str, train: bool, download: bool = False) -> Split:
-    """Read MNIST through torchvision once, then keep it as tensors (no PIL/ToTensor per sample)."""
-    from torchvision.datasets import MNIST
+    """Decode MNIST once into tensors (no PIL/ToTensor per sample as in the seed).
 
+    The raw IDX files are read directly when present: importing torchvision costs ~1-2 s, paid again by
+    every worker on every membership change. torchvision's MNIST remains the path that downloads (and
+    reports a missing data set); tests check both paths give identical tensors.
+    """
+    raw = Path(root) / "MNIST" / "raw"
+    paths = [raw / RAW_FILES[(train, kind)] for kind in ("images", "labels")]
     try:
-        ds = MNIST(root=root, train=train, download=download)
+        if all(p.is_file() for p in paths):
+            images, labels = read_idx(paths[0]), read_idx(paths[1])
+        else:
+            images, labels = _load_with_torchvision(root, train, download)
     except RuntimeError as e:
         raise UserError(
-            f"MNIST not found under {os.path.join(root, 'MNIST', 'raw')} ({e}). Point --data-dir (or "
-            f"$ELASTIC_MNIST_DATA_DIR) at a directory holding MNIST/raw/*-ubyte, or add --download") from None
-    except OSError as e:
-        raise UserError(f"cannot read MNIST under {root}: {e}; check --data-dir and its permissions") from None
-    images = ds.data.reshape(len(ds.data), -1).float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)
-    return Split(images.contiguous(), ds.targets.long())
+            f"MNIST not found under {raw} ({e}). Point --data-dir (or $ELASTIC_MNIST_DATA_DIR) at a "
+            "directory holding MNIST/raw/*-ubyte, or add --download") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read MNIST under {raw}: {e}; check --data-dir and its files") from None
+    flat = images.reshape(len(images), -1).float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)
+    return Split(flat.contiguous(), labels.long())
+
+
+def _load_with_torchvision(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from torchvision.datasets import MNIST
+
+    ds = MNIST(root=root, train=train, download=download)
+    return ds.data, ds.targets
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An unsigned-byte IDX file (MNIST's format) as a uint8 tensor."""
+    blob = path.read_bytes()
+    magic, = struct.unpack_from(">I", blob)
+    if magic >> 8 != 0x08:
+        raise ValueError(f"{path.name} is not an unsigned-byte IDX file (magic {magic:#x})")
+    dims = struct.unpack_from(f">{magic & 0xFF}I", blob, 4)
+    offset = 4 + 4 * len(dims)
+    expected = offset + int(torch.tensor(dims).prod())
+    if len(blob) != expected:
+        raise ValueError(f"{path.name} is {len(blob)} bytes, its header says {expected} (truncated?)")
+    return torch.frombuffer(bytearray(blob[offset:]), dtype=torch.uint8).reshape(dims)
 
 
 def write_synthetic_mnist(root: str | Path, n_train: int = 6000, n_test: int = 1000, seed: int = 0) -> Path:

@@ -95,7 +95,15 @@ def run(config, env, stop) -> int:
         trainer = Trainer(config, env.rank, env.world_size, model, optimizer, train, test, metrics, progress,
                           writer=writer, sample_log=sample_log, stop=stop, restart_count=env.restart_count,
                           fingerprint=fingerprint, run_id=env.run_id)
-        summary = trainer.train()
+        try:
+            summary = trainer.train()
+        except Exception as e:
+            if env.world_size == 1 or not is_collective_failure(e):
+                raise
+            where = trainer.save_on_failure()
+            metrics.warn(f"collective failed at step {trainer.progress.step} (a peer died or froze): "
+                         f"{str(e).splitlines()[0][:200]}; state saved ({where}); exiting for torchrun to restart")
+            return EXIT_RESTART
         if trainer.stopped_early:
             return 0 if stop.requested else EXIT_RESTART
         _write_final(config, env, model, summary, metrics)
@@ -108,6 +116,14 @@ def run(config, env, stop) -> int:
         if metrics is not None:
             metrics.close()
         distributed.close()
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A lost or frozen peer, as gloo/nccl report it (not a bug in our code)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "Connection", "imed out"))
 
 
 def _write_final(config, env, model, summary: dict, metrics) -> None:

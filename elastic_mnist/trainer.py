@@ -113,11 +113,15 @@ class Trainer:
             t0 = time.perf_counter()
             loss_sum, idx = self.forward_backward(self.progress.step)
             self.optimizer.step()
-            loss, stop = self._agree(loss_sum)
+            # Counted at once: from here on, model, optimizer and step agree, so a failure in any later
+            # collective still leaves a consistent state to save (save_on_failure).
             self.progress.step += 1
+            if self.sample_log is not None:
+                self.sample_log.write(self.progress.step - 1, self.plan.position(self.progress.step - 1)[0], idx)
+            loss, stop = self._agree(loss_sum)
             self.progress.train_time_s += time.perf_counter() - t0
             self.progress.samples_per_s = self.throughput.rate() or self.progress.samples_per_s
-            self._after_step(loss, idx, first=self.progress.step == start_step + 1)
+            self._after_step(loss, first=self.progress.step == start_step + 1)
             if stop:
                 self.stopped_early = True
                 self.metrics.print0(f"[stop] stop requested; checkpointing at step {self.progress.step}")
@@ -125,12 +129,10 @@ class Trainer:
             self._pace(t0)
         return self._finish()
 
-    def _after_step(self, loss: float, idx: torch.Tensor, first: bool) -> None:
+    def _after_step(self, loss: float, first: bool) -> None:
         step, plan, cfg = self.progress.step, self.plan, self.config
         epoch, _ = plan.position(step - 1)
         self.throughput.step(cfg.global_batch_size)
-        if self.sample_log is not None:
-            self.sample_log.write(step - 1, epoch, idx)
         if first:
             self._report_first_step()
         if step % cfg.log_every == 0 or step == self.total_steps:
@@ -205,6 +207,18 @@ class Trainer:
             block_ms = (time.perf_counter() - t0) * 1000
             self.writer.block_ms.append(block_ms)
             self.metrics.scalars(self.progress.step, {"checkpoint/block_ms": block_ms})
+
+    def save_on_failure(self) -> str:
+        """A peer died mid-step: this rank still holds the state of its last completed step, so any
+        survivor may persist it. The no-overwrite rename makes the first survivor's copy win."""
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except RuntimeError as e:
+                self.metrics.warn(f"in-flight checkpoint write failed: {e}")
+        writer = CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints)
+        writer.save(self.state(), self.progress.step, block=True)
+        return writer.last_path or "already saved by another survivor"
 
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:

