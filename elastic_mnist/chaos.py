@@ -113,6 +113,13 @@ def account(event: Event, files: dict[str, list[dict]]) -> None:
     """
     new_files = [recs for recs in files.values() if recs and recs[0]["time"] > event.time]
     old_files = [recs for recs in files.values() if recs and recs[0]["time"] <= event.time]
+    if event.kind == "etcd-restart":  # no membership change expected: the same workers keep going
+        later = [r for recs in old_files for r in recs if r["time"] > event.time]
+        if later:
+            first = min(later, key=lambda r: r["time"])
+            event.world_size_after, event.steps_redone = first["world_size"], 0
+            event.recovery_s = round(first["time"] - event.time, 3)
+            return
     if not new_files:
         return
     first = min((recs[0] for recs in new_files), key=lambda r: r["time"])

@@ -107,10 +107,23 @@ class Launcher:
             self.view.poll()
             for node in self.nodes.values():
                 node.tree()  # remember worker pids for the orphan check
-            for fault in self.faults:
-                if fault.due(self.tail.latest_step, time.time() - self.t0):
-                    self.fire(fault)
+                if node.exited_at is None and not node.running:
+                    node.exited_at = time.time()
+                    self.view.event(f"{node.name} exited with code {node.returncode}")
+            self._fire_next()
             time.sleep(POLL_S)
+
+    def _fire_next(self) -> None:
+        """Faults fire in schedule order, each once the job has recovered from the previous one, so
+        every fault's recovery and lost work are measured on their own."""
+        pending = [f for f in self.faults if not f.fired]
+        if not pending or not pending[0].due(self.tail.latest_step, time.time() - self.t0):
+            return
+        if self.events and self.events[-1].kind != "etcd-restart":
+            chaos.account(self.events[-1], self.tail.files)
+            if self.events[-1].recovery_s is None:
+                return
+        self.fire(pending[0])
 
     def run(self) -> int:
         from elastic_mnist.etcd_server import EtcdServer
@@ -118,7 +131,10 @@ class Launcher:
         os.makedirs(self.args.run_dir, exist_ok=True)
         self.view.event(f"run dir {self.args.run_dir}")
         self.etcd = EtcdServer(data_dir=os.path.join(self.args.run_dir, "etcd"), binary=self.args.etcd_binary,
-                               enable_v2=self.args.rdzv_backend == "etcd").start()
+                               enable_v2=self.args.rdzv_backend == "etcd",
+                               log_path=os.path.join(self.args.run_dir, "etcd.log")).start()
+        with open(os.path.join(self.args.run_dir, "etcd.pid"), "w") as f:
+            f.write(f"{self.etcd.pid}\n")
         self.view.event(f"etcd {self.etcd.endpoint} (pid {self.etcd.pid}); rendezvous id {self.run_id}")
         try:
             for _ in range(self.args.nodes):
@@ -139,7 +155,8 @@ class Launcher:
         summary_path = os.path.join(self.config.log_dir, "summary.json")
         summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
         report = {"events": chaos.to_json(self.events), "summary": summary, "orphans": orphans,
-                  "nodes": {n.name: {"pid": n.proc.pid, "exit_code": n.returncode} for n in self.nodes.values()},
+                  "nodes": {n.name: {"pid": n.proc.pid, "exit_code": n.returncode, "exited_at": n.exited_at}
+                            for n in self.nodes.values()},
                   "run_id": self.run_id, "wall_s": round(time.time() - self.t0, 2), "chaos": self.args.chaos}
         with open(os.path.join(self.args.run_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=2)

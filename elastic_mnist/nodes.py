@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from elastic_mnist.etcd_server import _die_with_parent_preexec
 
 
-def _children() -> dict[int, list[int]]:
+def children() -> dict[int, list[int]]:
     """ppid → pids for every live process (from /proc)."""
     tree: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -48,6 +48,7 @@ class Node:
     proc: subprocess.Popen | None = None
     seen_pids: set = field(default_factory=set)
     """Every pid this node's process tree ever had (agent and workers): the orphan check's list."""
+    exited_at: float | None = None
 
     def start(self) -> None:
         os.makedirs(os.path.join(self.run_dir, "nodes"), exist_ok=True)
@@ -72,12 +73,12 @@ class Node:
         """The agent and its live descendants (workers run in sessions of their own)."""
         if self.proc is None:
             return []
-        children, out, todo = _children(), [], [self.proc.pid]
+        tree, out, todo = children(), [], [self.proc.pid]
         while todo:
             pid = todo.pop()
             if alive(pid):
                 out.append(pid)
-            todo += children.get(pid, [])
+            todo += tree.get(pid, [])
         self.seen_pids.update(out)
         return out
 

@@ -1,0 +1,119 @@
+"""End to end with `elastic-mnist local`: real etcd, real torchrun nodes, real signals.
+
+Each scenario asserts the report: world sizes, steps redone, completion, no orphans, and that the
+sample logs replay the uninterrupted global batches."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import pytest
+
+from conftest import REPO, worker_env
+from elastic_mnist.data import BatchPlan
+from elastic_mnist.nodes import alive, children
+
+pytestmark = pytest.mark.e2e
+BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set
+
+
+def run_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps: int = 90,
+              timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict]:
+    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", str(nodes), "--max-nodes", "3",
+           "--run-dir", str(run_dir), "--chaos", chaos, "--timeout", str(timeout - 30),
+           "--data-dir", data, "--max-steps", str(steps), "--global-batch-size", str(BATCH),
+           "--min-step-time", "0.05", "--checkpoint-every", "10", "--log-every", "10", "--collective-timeout", "10",
+           *extra]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO)
+    report_path = run_dir / "report.json"
+    assert report_path.exists(), run.stdout[-4000:] + run.stderr[-4000:]
+    return run, json.loads(report_path.read_text())
+
+
+def assert_replays_plan(run_dir, steps: int) -> None:
+    """Every record used exactly its rank's share of the planned global batch, and every step was
+    completed by a full set of ranks: the uninterrupted order, whatever the world size did."""
+    plan = BatchPlan(2000, BATCH, seed=0)
+    ranks_at: dict[tuple[int, int], set] = {}
+    for path in (run_dir / "samples").glob("*.jsonl"):
+        for r in map(json.loads, path.read_text().splitlines()):
+            expected = plan.rank_indices(r["step"], r["world_size"], r["rank"]).tolist()
+            assert r["indices"] == expected, f"step {r['step']} rank {r['rank']}/{r['world_size']}"
+            ranks_at.setdefault((r["step"], r["world_size"]), set()).add(r["rank"])
+    complete = {step for (step, world), ranks in ranks_at.items() if ranks == set(range(world))}
+    assert complete == set(range(steps)), f"steps never completed by a full group: {set(range(steps)) - complete}"
+
+
+def assert_finished_clean(run: subprocess.CompletedProcess, report: dict, steps: int) -> None:
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert report["summary"]["global_step"] == steps
+    assert report["orphans"] == []
+
+
+def test_kill_a_node(small_mnist, tmp_path):
+    run, report = run_local(small_mnist, tmp_path, "kill:n1@step=25")
+    assert_finished_clean(run, report, 90)
+    (event,) = report["events"]
+    assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("kill", 2, 1)
+    assert event["steps_redone"] <= 10, "at most the checkpoint interval"
+    assert event["recovery_s"] < 30
+    assert_replays_plan(tmp_path, 90)
+
+
+def test_preemption_term_is_graceful_and_loses_nothing(small_mnist, tmp_path):
+    run, report = run_local(small_mnist, tmp_path, "term:n0@step=25")
+    assert_finished_clean(run, report, 90)
+    (event,) = report["events"]
+    assert (event["world_size_before"], event["world_size_after"], event["steps_redone"]) == (2, 1, 0)
+    n0_log = (tmp_path / "nodes" / "n0.log").read_text()
+    assert "exitcode: 1" not in n0_log.split("Received")[-1], "the preempted worker exits 0"
+    assert report["nodes"]["n0"]["exited_at"] - event["time"] < 20, "leaves well inside torchrun's 30 s"
+    assert_replays_plan(tmp_path, 90)
+
+
+def test_frozen_node_is_dropped_then_rejoins(small_mnist, tmp_path):
+    run, report = run_local(small_mnist, tmp_path, "stop:n1@step=20+cont@step=50", steps=110)
+    assert_finished_clean(run, report, 110)
+    stop, cont = report["events"]
+    assert (stop["kind"], stop["world_size_before"], stop["world_size_after"]) == ("stop", 2, 1)
+    assert stop["recovery_s"] < 10 + 20, "noticed within the collective timeout (10 s) plus a restart"
+    assert (cont["kind"], cont["world_size_after"]) == ("cont", 2)
+    assert cont["steps_redone"] == 0
+    assert_replays_plan(tmp_path, 110)
+
+
+def test_join_is_admitted_with_zero_steps_redone(small_mnist, tmp_path):
+    run, report = run_local(small_mnist, tmp_path, "join@step=20", nodes=1)
+    assert_finished_clean(run, report, 90)
+    (event,) = report["events"]
+    assert (event["kind"], event["node"], event["world_size_before"], event["world_size_after"]) == ("join", "n1", 1, 2)
+    assert event["steps_redone"] == 0
+    assert report["summary"]["world_size"] == 2
+    assert_replays_plan(tmp_path, 90)
+
+
+def test_etcd_restart_midway_then_a_join_still_works(small_mnist, tmp_path):
+    run, report = run_local(small_mnist, tmp_path, "etcd-restart@step=20,join@step=40", nodes=1)
+    assert_finished_clean(run, report, 90)
+    restart, join = report["events"]
+    assert restart["kind"] == "etcd-restart" and restart["world_size_after"] == 1 and restart["steps_redone"] == 0
+    assert (join["world_size_before"], join["world_size_after"], join["steps_redone"]) == (1, 2, 0)
+
+
+def test_sigterm_to_the_launcher_stops_everything(small_mnist, tmp_path):
+    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--run-dir", str(tmp_path),
+           "--data-dir", small_mnist, "--max-steps", "100000", "--min-step-time", "0.05"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=worker_env(), cwd=REPO)
+    for line in launcher.stdout:  # wait until training runs: a real step, not a sleep
+        if "[first-step]" in line:
+            break
+    agents = [json.loads(p.read_text())["pid"] for p in (tmp_path / "nodes").glob("*.json")]
+    workers = [pid for agent in agents for pid in children().get(agent, [])]
+    etcd_pid = int((tmp_path / "etcd.pid").read_text())
+    assert len(agents) == 2 and len(workers) == 2 and alive(etcd_pid)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=90) != 0
+    assert [pid for pid in agents + workers + [etcd_pid] if alive(pid)] == []
