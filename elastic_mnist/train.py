@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from elastic_mnist.checkpoint import CheckpointWriter
 from elastic_mnist.config import parse_args
 from elastic_mnist.data import SampleLog, load_split
 from elastic_mnist.errors import UserError
-from elastic_mnist.metrics import Metrics
+from elastic_mnist.metrics import Metrics, process_age_s
 from elastic_mnist.model import build_model
 from elastic_mnist.trainer import Progress, StopRequest, Trainer, cpu_snapshot
 
@@ -55,9 +56,10 @@ def _resume(config, env, metrics, fingerprint: dict):
         return checkpoint.decode(f.read(), value), value
 
 
-def _build(config, env, device, metrics):
+def _build(config, env, device, metrics, marks: dict):
     """Data, model and optimizer, restored from the newest checkpoint when there is one."""
     train, test = load_split(config.data_dir, True, config.download), load_split(config.data_dir, False)
+    marks["data"] = time.time()
     fingerprint = {**config.fingerprint(), "dataset": train.fingerprint()}
     state, path = _resume(config, env, metrics, fingerprint)
     model = build_model(config.hidden, config.seed)
@@ -81,20 +83,22 @@ def _build(config, env, device, metrics):
     return model, optimizer, train.to(device), test.to(device), progress, fingerprint
 
 
-def run(config, env, stop) -> int:
+def run(config, env, stop, marks: dict) -> int:
     device = distributed.init(env, config.backend, config.collective_timeout)
+    marks["process_group"] = time.time()
     metrics = sample_log = writer = None
     try:
         config.check_world_size(env.world_size)
         metrics = Metrics(env.rank, config.log_dir)
-        model, optimizer, train, test, progress, fingerprint = _build(config, env, device, metrics)
+        model, optimizer, train, test, progress, fingerprint = _build(config, env, device, metrics, marks)
+        marks["resumed"] = time.time()
         metrics.open_tensorboard(progress.step)
         writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints) if env.rank == 0 else None
         if config.sample_log:
             sample_log = SampleLog(config.sample_log, env.rank, env.world_size, env.restart_count)
         trainer = Trainer(config, env.rank, env.world_size, model, optimizer, train, test, metrics, progress,
                           writer=writer, sample_log=sample_log, stop=stop, restart_count=env.restart_count,
-                          fingerprint=fingerprint, run_id=env.run_id)
+                          fingerprint=fingerprint, run_id=env.run_id, startup_marks=marks)
         try:
             summary = trainer.train()
         except Exception as e:
@@ -139,6 +143,7 @@ def _write_final(config, env, model, summary: dict, metrics) -> None:
 
 @record
 def main(argv: list[str] | None = None) -> int:
+    marks = {"process_start": time.time() - process_age_s(), "imports": time.time()}
     env = distributed.read_env()
     if env.launched:
         distributed.die_with_parent()
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()  # before the slow start-up: a preemption during it is still a graceful stop
     try:
         config = parse_args(argv)
-        return run(config, env, stop)
+        return run(config, env, stop, marks)
     except UserError as e:
         print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
         return 2

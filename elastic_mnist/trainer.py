@@ -69,7 +69,7 @@ class Trainer:
                  optimizer: torch.optim.Optimizer, train: Split, test: Split, metrics: Metrics,
                  progress: Progress, writer: CheckpointWriter | None = None, sample_log: SampleLog | None = None,
                  stop: StopRequest | None = None, restart_count: int = 0, fingerprint: dict | None = None,
-                 run_id: str = "local"):
+                 run_id: str = "local", startup_marks: dict | None = None):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.model = model
         self.ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
@@ -82,6 +82,8 @@ class Trainer:
         self.total_steps = min(epochs_steps, config.max_steps) if config.max_steps else epochs_steps
         self.device = next(model.parameters()).device
         self.throughput = Throughput()
+        self.startup_marks = startup_marks or {}
+        """Unix times of start-up phases (process start, imports, group, data, resume) for the journal."""
         self.stopped_early = False
 
     # -- one step ---------------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class Trainer:
             if stop:
                 self.stopped_early = True
                 self.metrics.print0(f"[stop] stop requested; checkpointing at step {self.progress.step}")
+                self._journal("stop", step=self.progress.step, signalled=self.stop.requested)
                 break
             self._pace(t0)
         return self._finish()
@@ -143,8 +146,13 @@ class Trainer:
         if self.writer is not None and (epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             self.save()
 
+    def _journal(self, kind: str, **fields) -> None:
+        if self.sample_log is not None:
+            self.sample_log.event(kind, **fields)
+
     def _report_first_step(self) -> None:
         age = process_age_s()
+        self._journal("startup", step=self.progress.step, phases={**self.startup_marks, "first_step": time.time()})
         self.metrics.print0(f"[first-step] step {self.progress.step} done {age:.2f}s after process start "
                             f"(world {self.world_size}, restart {self.restart_count})")
         self.metrics.scalars(self.progress.step, {"elastic/start_to_first_step_s": age})
@@ -180,6 +188,7 @@ class Trainer:
         step = self.progress.step
         result = {"step": step, "test_loss": loss_sum / count, "test_accuracy": correct / count}
         self.progress.last_eval = result
+        self._journal("eval", **result, train_time_s=self.progress.train_time_s)
         self.metrics.print0(f"[eval] step {step} epoch {step / self.plan.steps_per_epoch:.2f} "
                             f"test_loss {result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f}")
         self.metrics.scalars(step, {"test/loss": result["test_loss"], "test/accuracy": result["test_accuracy"]})
@@ -216,6 +225,7 @@ class Trainer:
                 self.writer.wait()
             except RuntimeError as e:
                 self.metrics.warn(f"in-flight checkpoint write failed: {e}")
+        self._journal("collective_failed", step=self.progress.step)
         writer = CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints)
         writer.save(self.state(), self.progress.step, block=True)
         return writer.last_path or "already saved by another survivor"
