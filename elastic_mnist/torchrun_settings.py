@@ -17,8 +17,8 @@ MONITOR_INTERVAL = 0.5
 # after min nodes arrived: torch's 30 s default is the bulk of a recovery.
 RDZV_CONF = {
     "etcd": {"timeout": 600, "last_call_timeout": 1},
-    "etcd-v3": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 2},
-    "etcd-v2": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 2},
+    "etcd-v3": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
+    "etcd-v2": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
 }
 
 

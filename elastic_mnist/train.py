@@ -93,12 +93,16 @@ def run(config, env, stop, marks: dict) -> int:
         model, optimizer, train, test, progress, fingerprint = _build(config, env, device, metrics, marks)
         marks["resumed"] = time.time()
         metrics.open_tensorboard(progress.step)
-        writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints) if env.rank == 0 else None
+        writer = fence = None
+        if env.rank == 0:
+            writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints)
+            token = checkpoint.claim_generation(config.checkpoint_dir, env.world_size)
+            fence = lambda: checkpoint.generation_is(config.checkpoint_dir, token)  # noqa: E731
         if config.sample_log:
             sample_log = SampleLog(config.sample_log, env.rank, env.world_size, env.restart_count)
         trainer = Trainer(config, env.rank, env.world_size, model, optimizer, train, test, metrics, progress,
                           writer=writer, sample_log=sample_log, stop=stop, restart_count=env.restart_count,
-                          fingerprint=fingerprint, run_id=env.run_id, startup_marks=marks)
+                          fingerprint=fingerprint, run_id=env.run_id, startup_marks=marks, fence=fence)
         try:
             summary = trainer.train()
         except Exception as e:

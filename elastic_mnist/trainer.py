@@ -18,7 +18,7 @@ from torch import nn
 from elastic_mnist.checkpoint import CheckpointWriter
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data import BatchPlan, SampleLog, Split, shard_bounds
-from elastic_mnist.metrics import Metrics, Throughput, process_age_s
+from elastic_mnist.metrics import Metrics, Throughput, percentile, process_age_s
 
 
 class StopRequest:
@@ -69,7 +69,7 @@ class Trainer:
                  optimizer: torch.optim.Optimizer, train: Split, test: Split, metrics: Metrics,
                  progress: Progress, writer: CheckpointWriter | None = None, sample_log: SampleLog | None = None,
                  stop: StopRequest | None = None, restart_count: int = 0, fingerprint: dict | None = None,
-                 run_id: str = "local", startup_marks: dict | None = None):
+                 run_id: str = "local", startup_marks: dict | None = None, fence=None):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.model = model
         self.ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
@@ -85,6 +85,9 @@ class Trainer:
         self.startup_marks = startup_marks or {}
         """Unix times of start-up phases (process start, imports, group, data, resume) for the journal."""
         self.stopped_early = False
+        self.fence = fence
+        """Rank 0's check that this group still owns the checkpoint dir (see checkpoint.claim_generation)."""
+        self.superseded = False
 
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,12 +103,15 @@ class Trainer:
         return loss_sum.detach(), idx
 
     def _agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
-        """Global mean loss, and whether any rank was asked to stop: all ranks decide alike."""
-        packed = torch.stack([loss_sum.float(), torch.tensor(float(self.stop.requested), device=self.device)])
+        """Global mean loss, and whether any rank was asked to stop (or found the group superseded):
+        one all-reduce per step, so all ranks decide alike at the same step."""
+        flags = torch.tensor([float(self.stop.requested), float(self.superseded)], device=self.device)
+        packed = torch.cat([loss_sum.float().reshape(1), flags])
         if self.world_size > 1:
             dist.all_reduce(packed)
-        loss, stop = packed.tolist()
-        return loss / self.config.global_batch_size, stop > 0
+        loss, stop, superseded = packed.tolist()
+        self.superseded = superseded > 0
+        return loss / self.config.global_batch_size, stop > 0 or self.superseded
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -126,8 +132,10 @@ class Trainer:
             self._after_step(loss, first=self.progress.step == start_step + 1)
             if stop:
                 self.stopped_early = True
-                self.metrics.print0(f"[stop] stop requested; checkpointing at step {self.progress.step}")
-                self._journal("stop", step=self.progress.step, signalled=self.stop.requested)
+                why = "superseded by a newer group" if self.superseded else "stop requested"
+                self.metrics.print0(f"[stop] {why}; leaving at step {self.progress.step}")
+                self._journal("stop", step=self.progress.step, signalled=self.stop.requested,
+                              superseded=self.superseded)
                 break
             self._pace(t0)
         return self._finish()
@@ -144,7 +152,11 @@ class Trainer:
         if epoch_end:
             self.evaluate()
         if self.writer is not None and (epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            self.save()
+            if self.fence is not None and not self.fence():
+                self.superseded = True  # agreed at the next step; a stale group must not write
+                self.metrics.warn(f"a newer group owns {cfg.checkpoint_dir}; this one stops to rejoin it")
+            else:
+                self.save()
 
     def _journal(self, kind: str, **fields) -> None:
         if self.sample_log is not None:
@@ -233,7 +245,10 @@ class Trainer:
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
             self.evaluate()
-        self.save(block=True)
+        if not self.superseded:
+            self.save(block=True)
+        elif self.writer is not None:
+            self.writer.wait()  # an earlier save still in flight is ours to finish
         if self.world_size > 1:
             dist.barrier()  # nobody restarts and reads before rank 0's final write is durable
         return self.summary()
@@ -249,5 +264,7 @@ class Trainer:
             "torchrun_restart_count": self.restart_count, "stopped_early": self.stopped_early,
             "checkpoints_saved": self.writer.saved if self.writer else 0,
             "checkpoint_block_ms_mean": sum(block) / len(block) if block else 0.0,
+            "checkpoint_block_ms_p50": percentile(block, 50), "checkpoint_block_ms_p95": percentile(block, 95),
             "checkpoint_block_ms_max": max(block) if block else 0.0,
+            "step_ms_median": self.throughput.median_step_ms(),
         }

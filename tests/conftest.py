@@ -54,3 +54,6 @@ def run_train(args: list[str], timeout: float = 300, **env: str) -> subprocess.C
 def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elastic_mnist.train", *train_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO)
+
+
+from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)

@@ -1,0 +1,195 @@
+"""Native etcd v3 rendezvous for torchrun, `--rdzv-backend=etcd-v3`: no v2 API needed.
+
+    elastic-mnist etcd --no-v2 --port 2379
+    torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 \\
+        --rdzv-id=job1 --rdzv-conf=join_timeout=300,keep_alive_interval=5 -m elastic_mnist.train ...
+
+The protocol is torch's own DynamicRendezvousHandler (as for its etcd-v2 and c10d backends): the whole
+rendezvous state (round, participants, heartbeats) is one pickled `_RendezvousState` in the key
+`{key_prefix}/{run_id}/state`, written by an etcd transaction that compares the key's mod_revision
+(the fencing token), so exactly one writer wins per token. Different run ids never share a key, so
+a crashed job cannot block a new one; a reused run id recovers once the dead nodes' heartbeats age
+out (keep_alive_interval x keep_alive_max_attempt, 15 s by default).
+
+Bounds: every etcd call has a deadline of read_timeout (10 s by default), and the handler probes etcd
+when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s (a
+refused connection: at once). A node that dies or freezes is dropped from the state by the survivors'
+next heartbeat after keep_alive_interval x keep_alive_max_attempt (see torch's `_sanitize`). Keep
+that product above any etcd outage the job must ride out (an etcd restart: a few seconds), or the
+first node back declares all the others dead.
+
+--rdzv-conf keys (anything else is rejected, naming the key):
+  join_timeout=600 last_call_timeout=30 close_timeout=30 heartbeat_timeout=5   torch's handler, seconds
+  keep_alive_interval=5 keep_alive_max_attempt=3                               torch's handler
+  read_timeout=10      deadline of each etcd call, seconds
+  key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
+  protocol=http|https  cacert=PATH  cert=PATH  key=PATH  user=NAME  password=SECRET
+  timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
+"""
+
+from __future__ import annotations
+
+import os
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
+
+from elastic_mnist.errors import UserError
+from elastic_mnist.rendezvous._client import (
+    DEFAULT_KEY_PREFIX,
+    EtcdConnectionSpec,
+    EtcdV3Client,
+    EtcdV3Error,
+    run_key,
+)
+from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
+from elastic_mnist.rendezvous.store import EtcdV3Store
+
+BACKEND_NAME = "etcd-v3"
+# Read by torch's create_handler (dynamic_rendezvous.py): seconds, ints.
+HANDLER_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                "keep_alive_interval", "keep_alive_max_attempt")
+BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "protocol", "cacert", "cert", "key", "user", "password")
+# torchrun's LaunchConfig always adds `timeout` (--rdzv-timeout, 900 s by default); like torch's own
+# dynamic backends we ignore it: the join deadline is join_timeout.
+TORCHRUN_KEYS = ("timeout",)
+VALID_KEYS = frozenset(HANDLER_KEYS + BACKEND_KEYS + TORCHRUN_KEYS)
+
+
+class EtcdV3ConfigError(ValueError, UserError):
+    """A bad --rdzv-conf for etcd-v3 (a ValueError, as torch raises for bad rendezvous options)."""
+
+
+class EtcdV3ConnectionError(RendezvousConnectionError, EtcdV3Error):
+    """etcd could not be used; a RendezvousConnectionError so torch's handler treats it as such."""
+
+
+@dataclass(frozen=True)
+class EtcdV3Settings:
+    connection: EtcdConnectionSpec
+    key_prefix: str
+    lease_ttl: int
+
+
+def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
+    try:
+        value = params.get_as_int(key, default)
+    except ValueError as exc:
+        raise EtcdV3ConfigError(f"--rdzv-conf {key}={params.get(key)!r} is not an integer") from exc
+    return default if value is None else value
+
+
+def _lease_ttl(params: RendezvousParameters) -> int:
+    lease_ttl = _int_option(params, "lease_ttl", DEFAULT_LEASE_TTL_S)
+    floor = max(10, 3 * _int_option(params, "keep_alive_interval", 5))  # a few heartbeats must fit in one TTL
+    if lease_ttl < 0 or 0 < lease_ttl < floor:
+        raise EtcdV3ConfigError(f"lease_ttl={lease_ttl} must be 0 (keys never expire) or >= {floor} "
+                                "(3 x keep_alive_interval, at least 10 s)")
+    return lease_ttl
+
+
+def _connection(params: RendezvousParameters) -> EtcdConnectionSpec:
+    raw_timeout = params.get("read_timeout")
+    try:
+        read_timeout = float(raw_timeout) if raw_timeout is not None else None
+    except ValueError as exc:
+        raise EtcdV3ConfigError(f"--rdzv-conf read_timeout={raw_timeout!r} is not a number of seconds") from exc
+    options = {k: params.get(k) for k in ("cacert", "cert", "key", "user", "password")}
+    try:
+        return EtcdConnectionSpec.parse(params.endpoint, params.get("protocol"), read_timeout, **options)
+    except EtcdV3Error as exc:
+        raise EtcdV3ConfigError(str(exc)) from exc
+
+
+def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
+    """Validate params.config (unknown keys, numbers, TLS files, credentials) before any RPC."""
+    unknown = sorted(set(params.config) - VALID_KEYS)
+    if unknown:
+        raise EtcdV3ConfigError(f"unknown --rdzv-conf key(s) for {BACKEND_NAME}: {', '.join(unknown)}; "
+                                f"valid keys: {', '.join(sorted(VALID_KEYS))}")
+    for key in HANDLER_KEYS:  # torch would only fail on these later, mid-rendezvous
+        if _int_option(params, key, 1) <= 0:
+            raise EtcdV3ConfigError(f"--rdzv-conf {key} must be a positive integer")
+    prefix = str(params.get("key_prefix") or DEFAULT_KEY_PREFIX)
+    try:
+        run_key(prefix, params.run_id, "state")
+    except EtcdV3Error as exc:
+        raise EtcdV3ConfigError(f"--rdzv-id: {exc}") from exc
+    return EtcdV3Settings(_connection(params), prefix, _lease_ttl(params))
+
+
+class EtcdV3RendezvousBackend(RendezvousBackend):
+    """Holds the dynamic rendezvous state in one etcd key; the token is the key's mod_revision."""
+
+    def __init__(self, client: EtcdV3Client, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
+                 lease: LeaseKeeper | None = None) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        self._client = client
+        self._lease = lease or LeaseKeeper(client, 0)
+        self.key = run_key(key_prefix, run_id, "state")
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        resp = self._client.call("read the rendezvous state", lambda c: c.get_response(self.key))
+        if not resp.kvs:
+            return None
+        return resp.kvs[0].value, int(resp.kvs[0].mod_revision)
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token and not isinstance(token, int):
+            current = self.get_state()  # a token we never issued cannot match; report the real state
+            return None if current is None else (*current, False)
+
+        def txn(c: Any, lease: int | None) -> tuple[bool, list[Any]]:
+            t = c.transactions
+            # No token: create only if absent (torch's contract); else only if nobody wrote since `token`.
+            guard = t.create(self.key) == 0 if not token else t.mod(self.key) == token
+            return c.transaction(compare=[guard], success=[t.put(self.key, state, lease=lease), t.get(self.key)],
+                                 failure=[t.get(self.key)])
+
+        succeeded, responses = self._lease.run("write the rendezvous state", txn)
+        kvs = responses[-1]  # the Get's [(value, KVMetadata)]: the state as of this transaction
+        if not kvs:
+            return None
+        value, meta = kvs[0]
+        return value, int(meta.mod_revision), bool(succeeded)
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:
+    """Backend + Store sharing one connection and lease; probes etcd so a bad endpoint fails here."""
+    settings = parse_settings(params)
+    client = EtcdV3Client(settings.connection, error_type=EtcdV3ConnectionError)
+    lease = LeaseKeeper(client, settings.lease_ttl)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease)
+    store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease)
+    try:
+        backend.get_state()  # reachability, TLS, credentials and read permission in one round trip
+    except BaseException:
+        client.close()
+        raise
+    return backend, store
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """What torchrun calls for --rdzv-backend=etcd-v3: torch's dynamic handler over our backend.
+    Timeouts and keep-alive settings are read from params by torch's create_handler itself."""
+    backend, store = create_backend(params)
+    # Root cause of torch's shared-store restart hangs (pytorch/pytorch#135712): by default rank 0's agent
+    # hosts one TCPStore for its workers that outlives rendezvous rounds, and gloo's keys in it keep their
+    # names from round to round, so a new worker can read a dead peer's address and dial it. torch's own
+    # switch makes every round's workers start from a fresh store instead; this runs in the agent process
+    # that chose our backend, and a value set by the user still wins.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return create_handler(store, backend, params)

