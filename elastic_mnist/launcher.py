@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-nodes", type=int, default=1, help="torchrun --nnodes minimum (default 1)")
     p.add_argument("--max-nodes", type=int, default=4, help="torchrun --nnodes maximum (default 4)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3"], default="etcd", help="rendezvous backend")
+    p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3"], default="etcd-v3",
+                   help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd, see README)")
     p.add_argument("--chaos", default="", help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see README)")
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
     p.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
@@ -137,6 +138,9 @@ class Launcher:
                                log_path=os.path.join(self.args.run_dir, "etcd.log")).start()
         with open(os.path.join(self.args.run_dir, "etcd.pid"), "w") as f:
             f.write(f"{self.etcd.pid}\n")
+        with open(os.path.join(self.args.run_dir, "etcd.json"), "w") as f:
+            json.dump({"endpoint": self.etcd.endpoint, "pid": self.etcd.pid, "v2_api": self.etcd.enable_v2,
+                       "rdzv_id": self.run_id, "rdzv_backend": self.args.rdzv_backend}, f)
         self.view.event(f"etcd {self.etcd.endpoint} (pid {self.etcd.pid}); rendezvous id {self.run_id}")
         try:
             self.nodes_started_at = time.time()

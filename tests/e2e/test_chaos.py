@@ -20,8 +20,9 @@ BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set
 
 
 def run_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps: int = 90,
-              timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict]:
+              timeout: float = 240, backend: str = "etcd-v3") -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", str(nodes), "--max-nodes", "3",
+           "--rdzv-backend", backend,
            "--run-dir", str(run_dir), "--chaos", chaos, "--timeout", str(timeout - 30),
            "--data-dir", data, "--max-steps", str(steps), "--global-batch-size", str(BATCH),
            "--min-step-time", "0.05", "--checkpoint-every", "10", "--log-every", "10", "--collective-timeout", "10",
@@ -50,6 +51,19 @@ def assert_finished_clean(run: subprocess.CompletedProcess, report: dict, steps:
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert report["summary"]["global_step"] == steps
     assert report["orphans"] == []
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v3"])
+def test_kill_then_join_on_each_backend(small_mnist, tmp_path, backend):
+    """Issue 3's scenario: two nodes, SIGKILL one (world 1), a new node joins (world 2), the run ends."""
+    run, report = run_local(small_mnist, tmp_path, "kill:n1@step=20,join@step=40", steps=140, backend=backend)
+    assert_finished_clean(run, report, 140)
+    kill, join = report["events"]
+    assert (kill["world_size_before"], kill["world_size_after"]) == (2, 1)
+    assert (join["world_size_before"], join["world_size_after"], join["steps_redone"]) == (1, 2, 0)
+    assert report["summary"]["world_size"] == 2 and report["summary"]["test_accuracy"] > 0.9
+    assert_replays_plan(tmp_path, 140)
+    assert json.loads((tmp_path / "etcd.json").read_text())["v2_api"] is (backend == "etcd"), "v3 needs no v2 API"
 
 
 def test_kill_a_node(small_mnist, tmp_path):
