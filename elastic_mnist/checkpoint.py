@@ -42,6 +42,11 @@ def encode(state: dict) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, hashlib.sha256(payload).digest()) + payload
 
 
+def digest_of(blob: bytes) -> str:
+    """The payload checksum stored in the header: identifies a state without decoding it."""
+    return blob[_HEADER.size - 32:_HEADER.size].hex()
+
+
 def decode(blob: bytes, name: str = "checkpoint") -> dict:
     if len(blob) < _HEADER.size:
         raise CheckpointError(f"{name}: truncated ({len(blob)} bytes)")

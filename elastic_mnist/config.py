@@ -54,6 +54,12 @@ class TrainConfig:
     """Save a checkpoint every this many optimizer steps (and at each epoch end); 0 disables periodic saves."""
     keep_checkpoints: int = 3
     """How many of the newest checkpoints to keep."""
+    checkpoint_storage: str = "shared"
+    """shared: one --checkpoint-dir every node sees (rank 0 writes); local: each node's own disk (every rank writes, peers send state to ranks that lack it)."""
+    snapshot_every: int = 10
+    """Snapshot the training state into --snapshot-dir every this many steps (0: off)."""
+    snapshot_dir: str = field(default_factory=lambda: "/dev/shm/elastic-mnist" if os.path.isdir("/dev/shm") else "")
+    """Memory that outlives the worker process (tmpfs), for in-memory snapshots; empty: off."""
     sample_log: str = ""
     """Directory for per-rank JSONL logs of the dataset indices used at every step (empty: off)."""
     log_every: int = 50
@@ -76,6 +82,10 @@ class TrainConfig:
             raise UserError(f"--collective-timeout must be positive, got {self.collective_timeout}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise UserError("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
+        if self.checkpoint_storage not in ("shared", "local"):
+            raise UserError(f"--checkpoint-storage must be shared or local, got {self.checkpoint_storage!r}")
+        if self.snapshot_every < 0:
+            raise UserError(f"--snapshot-every must be >= 0 (0 = off), got {self.snapshot_every}")
         if self.log_every < 1 or self.min_step_time < 0:
             raise UserError("--log-every must be >= 1 and --min-step-time >= 0")
 

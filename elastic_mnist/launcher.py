@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -49,11 +50,14 @@ def parse(argv: list[str]):
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
-    defaults = {"--checkpoint-dir": "checkpoints", "--log-dir": "tensorboard", "--sample-log": "samples"}
+    config = parse_train_args(train_argv)  # fail fast on a bad train flag, before anything starts
+    defaults = {"--log-dir": "tensorboard", "--sample-log": "samples"}
+    if config.checkpoint_storage == "shared":
+        defaults["--checkpoint-dir"] = "checkpoints"
     for flag, sub in defaults.items():
         if flag not in train_argv:
             train_argv += [flag, os.path.join(args.run_dir, sub)]
-    config = parse_train_args(train_argv)  # fail fast on a bad train flag, before anything starts
+    config = parse_train_args(train_argv)
     config.check_world_size(args.max_nodes * args.nproc_per_node)
     return args, train_argv, config, chaos.parse_schedule(args.chaos)
 
@@ -69,6 +73,9 @@ class Launcher:
         self.etcd = None
         self.t0 = time.time()
         self.nodes_started_at = self.t0
+        # Each simulated node's "RAM" for snapshots; removed at the end like a machine's memory.
+        self.shm_root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else args.run_dir, "elastic-mnist",
+                                     self.run_id)
 
     def start_node(self) -> Node:
         name = f"n{len(self.nodes)}"
@@ -77,10 +84,20 @@ class Launcher:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", "1")  # N nodes share this machine's cores
         env.setdefault("LOGLEVEL", "INFO")  # torchrun's rendezvous decisions, in the node logs
-        node = Node(name, torchrun_command(targs, self.train_argv), env, self.args.run_dir)
+        node = Node(name, torchrun_command(targs, self.train_argv + self._node_args(name)), env, self.args.run_dir)
         node.start()
         self.nodes[name] = node
         return node
+
+    def _node_args(self, name: str) -> list[str]:
+        """What differs between simulated machines: their memory (snapshots) and, with node-local
+        storage, their disks."""
+        extra = []
+        if "--snapshot-dir" not in self.train_argv:
+            extra += ["--snapshot-dir", os.path.join(self.shm_root, name)]
+        if self.config.checkpoint_storage == "local" and "--checkpoint-dir" not in self.train_argv:
+            extra += ["--checkpoint-dir", os.path.join(self.args.run_dir, "nodes", name, "checkpoints")]
+        return extra
 
     def fire(self, fault: chaos.Fault) -> None:
         fault.fired = True
@@ -151,6 +168,7 @@ class Launcher:
             for node in self.nodes.values():
                 node.shutdown()
             self.etcd.close()
+            shutil.rmtree(self.shm_root, ignore_errors=True)
         return self.report()
 
     def _cold_start_s(self) -> float | None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist import checkpoint, distributed
+from elastic_mnist import checkpoint, distributed, state_sync
 from elastic_mnist.checkpoint import CheckpointWriter
 from elastic_mnist.config import parse_args
 from elastic_mnist.data import SampleLog, load_split
@@ -32,28 +32,41 @@ from elastic_mnist.trainer import Progress, StopRequest, Trainer, cpu_snapshot
 EXIT_RESTART = 75  # EX_TEMPFAIL: "try again", which is what torchrun does with a failed worker
 
 
+def _writes_checkpoints(config, env) -> bool:
+    """Shared storage: global rank 0 writes. Node-local storage: every rank keeps its own copy."""
+    return env.rank == 0 or config.checkpoint_storage == "local"
+
+
+def snapshot_location(config, env) -> tuple[str, dict]:
+    """This rank's in-memory snapshot dir and the origin stamped on its snapshots (empty: off)."""
+    origin = {"run_id": env.run_id, "checkpoint_dir": os.path.abspath(config.checkpoint_dir)}
+    if not (env.launched and config.snapshot_every and config.snapshot_dir):
+        return "", origin  # a lone process has no job identity to tell its snapshots from others'
+    safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in env.run_id)
+    return os.path.join(config.snapshot_dir, safe_id, f"local{env.local_rank}"), origin
+
+
 def _resume(config, env, metrics, fingerprint: dict):
-    """Rank 0 picks the newest valid checkpoint; everyone loads that same file (on CPU)."""
-    verdict = [None]
-    if env.rank == 0:
-        try:
+    """Every rank offers its newest valid state; the newest wins and is sent to the ranks that lack it."""
+    snapshot_dir, origin = snapshot_location(config, env)
+    error, mine = None, None
+    try:
+        if _writes_checkpoints(config, env):
             checkpoint.ensure_writable(config.checkpoint_dir)
-            found = checkpoint.load_latest(config.checkpoint_dir, warn=metrics.warn)
-            if found is not None:
-                checkpoint.check_compatible(found[0], fingerprint, found[1])
-            verdict = [("ok", found[1] if found else "")]
-        except UserError as e:
-            verdict = [("error", str(e))]
-    dist.broadcast_object_list(verdict, src=0)
-    kind, value = verdict[0]
-    if kind == "error":
-        raise UserError(value)
-    if not value:
+        mine = state_sync.best_local(config.checkpoint_dir, snapshot_dir, origin, metrics.warn)
+    except UserError as e:
+        error = str(e)
+    state_sync.agree_errors(error, env.world_size)
+    chosen, owner, sent_to = state_sync.agree_on_state(mine, env.rank, env.world_size)
+    if chosen is None:
         return None, ""
-    if env.rank == 0:
-        return found[0], value
-    with open(value, "rb") as f:
-        return checkpoint.decode(f.read(), value), value
+    state = checkpoint.decode(chosen.blob, chosen.source)  # verifies the checksum of what was sent
+    checkpoint.check_compatible(state, fingerprint, chosen.source)
+    if _writes_checkpoints(config, env):
+        state_sync.keep_durable_copy(chosen, config.checkpoint_dir)
+    if sent_to:
+        metrics.print0(f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}")
+    return state, chosen.source
 
 
 def _build(config, env, device, metrics, marks: dict):
@@ -86,23 +99,28 @@ def _build(config, env, device, metrics, marks: dict):
 def run(config, env, stop, marks: dict) -> int:
     device = distributed.init(env, config.backend, config.collective_timeout)
     marks["process_group"] = time.time()
-    metrics = sample_log = writer = None
+    metrics = sample_log = writer = snapshots = None
     try:
         config.check_world_size(env.world_size)
         metrics = Metrics(env.rank, config.log_dir)
         model, optimizer, train, test, progress, fingerprint = _build(config, env, device, metrics, marks)
         marks["resumed"] = time.time()
         metrics.open_tensorboard(progress.step)
-        writer = fence = None
-        if env.rank == 0:
+        writer = fence = snapshots = None
+        if _writes_checkpoints(config, env):
             writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints)
+        if env.rank == 0:
             token = checkpoint.claim_generation(config.checkpoint_dir, env.world_size)
             fence = lambda: checkpoint.generation_is(config.checkpoint_dir, token)  # noqa: E731
+        snapshot_dir, origin = snapshot_location(config, env)
+        if snapshot_dir:
+            snapshots = CheckpointWriter(snapshot_dir, keep=2)
         if config.sample_log:
             sample_log = SampleLog(config.sample_log, env.rank, env.world_size, env.restart_count)
         trainer = Trainer(config, env.rank, env.world_size, model, optimizer, train, test, metrics, progress,
                           writer=writer, sample_log=sample_log, stop=stop, restart_count=env.restart_count,
-                          fingerprint=fingerprint, run_id=env.run_id, startup_marks=marks, fence=fence)
+                          fingerprint=fingerprint, run_id=env.run_id, startup_marks=marks, fence=fence,
+                          snapshots=snapshots, origin=origin)
         try:
             summary = trainer.train()
         except Exception as e:
@@ -117,8 +135,9 @@ def run(config, env, stop, marks: dict) -> int:
         _write_final(config, env, model, summary, metrics)
         return 0
     finally:
-        if writer is not None:
-            writer.wait()
+        for w in (writer, snapshots):
+            if w is not None:
+                w.wait()
         if sample_log is not None:
             sample_log.close()
         if metrics is not None:

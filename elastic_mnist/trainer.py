@@ -69,7 +69,8 @@ class Trainer:
                  optimizer: torch.optim.Optimizer, train: Split, test: Split, metrics: Metrics,
                  progress: Progress, writer: CheckpointWriter | None = None, sample_log: SampleLog | None = None,
                  stop: StopRequest | None = None, restart_count: int = 0, fingerprint: dict | None = None,
-                 run_id: str = "local", startup_marks: dict | None = None, fence=None):
+                 run_id: str = "local", startup_marks: dict | None = None, fence=None,
+                 snapshots: CheckpointWriter | None = None, origin: dict | None = None):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.model = model
         self.ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
@@ -86,6 +87,9 @@ class Trainer:
         """Unix times of start-up phases (process start, imports, group, data, resume) for the journal."""
         self.stopped_early = False
         self.fence = fence
+        self.snapshots, self.origin = snapshots, origin or {}
+        """In-memory snapshots (tmpfs) every --snapshot-every steps; origin tells them from other jobs'."""
+        self.snapshot_block_ms: list[float] = []
         """Rank 0's check that this group still owns the checkpoint dir (see checkpoint.claim_generation)."""
         self.superseded = False
 
@@ -151,6 +155,10 @@ class Trainer:
         epoch_end = step % plan.steps_per_epoch == 0
         if epoch_end:
             self.evaluate()
+        if self.snapshots is not None and step % cfg.snapshot_every == 0:
+            t0 = time.perf_counter()
+            self.snapshots.save(self.state(), step)
+            self.snapshot_block_ms.append((time.perf_counter() - t0) * 1000)
         if self.writer is not None and (epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
             if self.fence is not None and not self.fence():
                 self.superseded = True  # agreed at the next step; a stale group must not write
@@ -213,7 +221,7 @@ class Trainer:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state()},
             "config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.world_size,
-            "run_id": self.run_id, "saved_at": time.time(),
+            "run_id": self.run_id, "origin": self.origin, "saved_at": time.time(),
             "progress": {"resumes": self.progress.resumes, "train_time_s": self.progress.train_time_s,
                          "samples_per_s": self.progress.samples_per_s, "last_eval": self.progress.last_eval},
         })
@@ -267,4 +275,6 @@ class Trainer:
             "checkpoint_block_ms_p50": percentile(block, 50), "checkpoint_block_ms_p95": percentile(block, 95),
             "checkpoint_block_ms_max": max(block) if block else 0.0,
             "step_ms_median": self.throughput.median_step_ms(),
+            "snapshots_taken": len(self.snapshot_block_ms),
+            "snapshot_block_ms_p50": percentile(self.snapshot_block_ms, 50),
         }
