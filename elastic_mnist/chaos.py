@@ -3,7 +3,8 @@
     elastic-mnist local --nodes 2 --chaos 'kill:n1@step=150,join@step=300,term:n0@step=450'
 
 Syntax: comma-separated `KIND[:NODE]@TRIGGER[+cont@TRIGGER]`, TRIGGER = `step=N` (global step) or
-`time=Ns` (seconds since launch). Kinds: kill (SIGKILL the node's processes: a crashed machine),
+`time=Ns` (seconds since launch); NODE is a name (n0, n1, ...) or `rank0`, whichever node holds global
+rank 0 when the fault fires. Kinds: kill (SIGKILL the node's processes: a crashed machine),
 term (SIGTERM to the node's torchrun agent: a spot preemption notice), stop (SIGSTOP: a frozen machine;
 `+cont@...` resumes it), cont, join (start a new node), etcd-restart (stop and restart etcd, same data).
 """
@@ -19,7 +20,7 @@ from elastic_mnist.errors import UserError
 
 KINDS = ("kill", "term", "stop", "cont", "join", "etcd-restart")
 NODELESS = ("join", "etcd-restart")
-_ITEM = re.compile(r"^(?P<kind>[a-z-]+)(?::(?P<node>n\d+))?@(?P<trigger>step=\d+|time=\d+(?:\.\d+)?s?)$")
+_ITEM = re.compile(r"^(?P<kind>[a-z-]+)(?::(?P<node>n\d+|rank0))?@(?P<trigger>step=\d+|time=\d+(?:\.\d+)?s?)$")
 
 
 @dataclass

@@ -99,10 +99,26 @@ class Launcher:
             extra += ["--checkpoint-dir", os.path.join(self.args.run_dir, "nodes", name, "checkpoints")]
         return extra
 
+    def _resolve(self, name: str):
+        """A node by name, or `rank0`: the node whose process tree runs the newest rank-0 worker."""
+        if name != "rank0":
+            return self.nodes.get(name)
+        rank0 = [recs[-1] for recs in self.tail.files.values() if recs and recs[-1]["rank"] == 0]
+        if not rank0:
+            return None
+        pid = int(max(rank0, key=lambda r: r["time"])["file"].rsplit("-pid", 1)[1].split(".")[0])
+        return next((n for n in self.nodes.values() if pid in n.tree()), None)
+
     def fire(self, fault: chaos.Fault) -> None:
         fault.fired = True
         event = chaos.Event(fault.kind, fault.node, max(self.tail.latest_step, 0), time.time(), self.tail.world_size)
-        node = self.nodes.get(fault.node) if fault.node else None
+        node = self._resolve(fault.node) if fault.node else None
+        if node is not None:
+            event.node = node.name
+            if fault.kind == "stop":  # its +cont resumes this very node, wherever rank 0 is by then
+                later = next((f for f in self.faults if f.kind == "cont" and f.node == fault.node and not f.fired), None)
+                if later is not None:
+                    later.node = node.name
         if fault.node and node is None:
             event.notes.append(f"no node {fault.node}")
         elif fault.kind == "kill":
