@@ -96,6 +96,37 @@ def _build(config, env, device, metrics, marks: dict):
     return model, optimizer, train.to(device), test.to(device), progress, fingerprint
 
 
+def _writers(config, env):
+    """Checkpoint writer, split-brain fence, snapshot writer (each None where this rank has none)."""
+    writer = fence = snapshots = None
+    if _writes_checkpoints(config, env):
+        writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints)
+    if env.rank == 0:
+        token = checkpoint.claim_generation(config.checkpoint_dir, env.world_size)
+        fence = lambda: checkpoint.generation_is(config.checkpoint_dir, token)  # noqa: E731
+    snapshot_dir, origin = snapshot_location(config, env)
+    if snapshot_dir:
+        snapshots = CheckpointWriter(snapshot_dir, keep=2)
+    return writer, fence, snapshots, origin
+
+
+def _train(trainer: Trainer, config, env, stop, metrics) -> int:
+    """Train to the end; the exit code tells torchrun whether to restart us."""
+    try:
+        summary = trainer.train()
+    except Exception as e:
+        if env.world_size == 1 or not is_collective_failure(e):
+            raise
+        where = trainer.save_on_failure()
+        metrics.warn(f"collective failed at step {trainer.progress.step} (a peer died or froze): "
+                     f"{str(e).splitlines()[0][:200]}; state saved ({where}); exiting for torchrun to restart")
+        return EXIT_RESTART
+    if trainer.stopped_early:
+        return 0 if stop.requested else EXIT_RESTART
+    _write_final(config, env, trainer.model, summary, metrics)
+    return 0
+
+
 def run(config, env, stop, marks: dict) -> int:
     device = distributed.init(env, config.backend, config.collective_timeout)
     marks["process_group"] = time.time()
@@ -106,34 +137,14 @@ def run(config, env, stop, marks: dict) -> int:
         model, optimizer, train, test, progress, fingerprint = _build(config, env, device, metrics, marks)
         marks["resumed"] = time.time()
         metrics.open_tensorboard(progress.step)
-        writer = fence = snapshots = None
-        if _writes_checkpoints(config, env):
-            writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints)
-        if env.rank == 0:
-            token = checkpoint.claim_generation(config.checkpoint_dir, env.world_size)
-            fence = lambda: checkpoint.generation_is(config.checkpoint_dir, token)  # noqa: E731
-        snapshot_dir, origin = snapshot_location(config, env)
-        if snapshot_dir:
-            snapshots = CheckpointWriter(snapshot_dir, keep=2)
+        writer, fence, snapshots, origin = _writers(config, env)
         if config.sample_log:
             sample_log = SampleLog(config.sample_log, env.rank, env.world_size, env.restart_count)
         trainer = Trainer(config, env.rank, env.world_size, model, optimizer, train, test, metrics, progress,
                           writer=writer, sample_log=sample_log, stop=stop, restart_count=env.restart_count,
                           fingerprint=fingerprint, run_id=env.run_id, startup_marks=marks, fence=fence,
                           snapshots=snapshots, origin=origin)
-        try:
-            summary = trainer.train()
-        except Exception as e:
-            if env.world_size == 1 or not is_collective_failure(e):
-                raise
-            where = trainer.save_on_failure()
-            metrics.warn(f"collective failed at step {trainer.progress.step} (a peer died or froze): "
-                         f"{str(e).splitlines()[0][:200]}; state saved ({where}); exiting for torchrun to restart")
-            return EXIT_RESTART
-        if trainer.stopped_early:
-            return 0 if stop.requested else EXIT_RESTART
-        _write_final(config, env, model, summary, metrics)
-        return 0
+        return _train(trainer, config, env, stop, metrics)
     finally:
         for w in (writer, snapshots):
             if w is not None:
