@@ -14,11 +14,11 @@ import hashlib
 import io
 import json
 import os
+import queue
 import re
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -179,43 +179,56 @@ def describe_latest(directory: str) -> dict | None:
             "saved_at": state["saved_at"], "age_s": round(time.time() - state["saved_at"], 1)}
 
 
-@dataclass
 class CheckpointWriter:
-    """Rank 0's writer: at most one write in flight; the caller blocks only to snapshot the state."""
+    """A writer thread: at most one write in flight; the caller blocks only to snapshot the state.
 
-    directory: str
-    keep: int
-    saved: int = 0
-    skipped: int = 0
-    block_ms: list = field(default_factory=list)
-    last_path: str = ""
-    _thread: threading.Thread | None = None
-    _error: BaseException | None = None
+    The thread is started once and fed through a queue: starting a thread per save made the training
+    thread wait for the GIL while the new thread began pickling (milliseconds on a busy machine).
+    """
+
+    def __init__(self, directory: str, keep: int):
+        self.directory, self.keep = directory, keep
+        self.saved = self.skipped = 0
+        self.block_ms: list[float] = []
+        self.last_path = ""
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def save(self, state: dict, step: int, block: bool = False) -> None:
         """state must already be a snapshot (CPU copies): training goes on while the thread writes."""
         self.wait()
-        self._thread = threading.Thread(target=self._write, args=(state, step), daemon=True, name="ckpt-writer")
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-writer")
+            self._thread.start()
+        self._idle.clear()
+        self._queue.put((state, step))
         if block:
             self.wait()
 
+    def _run(self) -> None:
+        while True:
+            state, step = self._queue.get()
+            try:
+                self._write(state, step)
+            except BaseException as e:  # surfaced on the training thread by wait()
+                self._error = e
+            finally:
+                self._idle.set()
+
     def _write(self, state: dict, step: int) -> None:
-        try:
-            path = path_for(self.directory, step)
-            if write_durable(path, encode(state)):
-                self.saved += 1
-                self.last_path = path
-                prune(self.directory, self.keep)
-            else:
-                self.skipped += 1
-        except BaseException as e:  # surfaced on the training thread by wait()
-            self._error = e
+        path = path_for(self.directory, step)
+        if write_durable(path, encode(state)):
+            self.saved += 1
+            self.last_path = path
+            prune(self.directory, self.keep)
+        else:
+            self.skipped += 1
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._idle.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error

@@ -56,7 +56,7 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     checkpoint_storage: str = "shared"
     """shared: one --checkpoint-dir every node sees (rank 0 writes); local: each node's own disk (every rank writes, peers send state to ranks that lack it)."""
-    snapshot_every: int = 10
+    snapshot_every: int = 50
     """Snapshot the training state into --snapshot-dir every this many steps (0: off)."""
     snapshot_dir: str = field(default_factory=lambda: "/dev/shm/elastic-mnist" if os.path.isdir("/dev/shm") else "")
     """Memory that outlives the worker process (tmpfs), for in-memory snapshots; empty: off."""

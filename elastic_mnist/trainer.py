@@ -155,11 +155,12 @@ class Trainer:
         epoch_end = step % plan.steps_per_epoch == 0
         if epoch_end:
             self.evaluate()
-        if self.snapshots is not None and step % cfg.snapshot_every == 0:
-            t0 = time.perf_counter()
+        checkpoint_due = epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        if self.snapshots is not None and step % cfg.snapshot_every == 0 and not checkpoint_due:
+            t0 = time.perf_counter()  # a checkpoint of the same step would make the snapshot redundant
             self.snapshots.save(self.state(), step)
             self.snapshot_block_ms.append((time.perf_counter() - t0) * 1000)
-        if self.writer is not None and (epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+        if self.writer is not None and checkpoint_due:
             if self.fence is not None and not self.fence():
                 self.superseded = True  # agreed at the next step; a stale group must not write
                 self.metrics.warn(f"a newer group owns {cfg.checkpoint_dir}; this one stops to rejoin it")
