@@ -89,3 +89,14 @@ def test_truncated_idx_file_is_a_clear_error(tmp_path):
     path.write_bytes(path.read_bytes()[:5000])
     with pytest.raises(UserError, match="truncated"):
         load_split(str(root), True)
+
+
+def test_global_batch_smaller_than_the_world_is_refused():
+    import pytest
+
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.errors import UserError
+
+    TrainConfig(global_batch_size=4).check_world_size(4)
+    with pytest.raises(UserError, match="smaller than the world size 5"):
+        TrainConfig(global_batch_size=4).check_world_size(5)

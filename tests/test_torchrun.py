@@ -38,3 +38,36 @@ def test_two_workers_one_epoch_reach_96_percent(mnist_root, tmp_path):
     summary = json.loads((tmp_path / "runs" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["epochs_completed"] == 1
     assert summary["test_accuracy"] >= (0.96 if real else 0.95)
+
+
+def test_a_worker_never_outlives_its_agent(small_mnist, tmp_path):
+    """SIGKILL of the torchrun agent alone (workers run in their own sessions) still ends the worker."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO, worker_env
+    from elastic_mnist.nodes import alive, children
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+           "elastic_mnist.train", "--data-dir", small_mnist, "--max-steps", "100000", "--min-step-time", "0.05",
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs")]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
+                             cwd=REPO, start_new_session=True)
+    try:
+        for line in agent.stdout:  # a real step, not a sleep
+            if "[first-step]" in line:
+                break
+        (worker,) = children()[agent.pid]
+        assert os.getsid(worker) != os.getsid(agent.pid), "torchrun starts workers in their own session"
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the outcome, bounded
+        assert not alive(worker), "the worker died with its agent"
+    finally:
+        if agent.poll() is None:
+            agent.kill()

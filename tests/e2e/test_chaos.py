@@ -51,6 +51,9 @@ def assert_finished_clean(run: subprocess.CompletedProcess, report: dict, steps:
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert report["summary"]["global_step"] == steps
     assert report["orphans"] == []
+    last_step = max(e["time"] for e in report["evals"])
+    exits = [n["exited_at"] for n in report["nodes"].values()]
+    assert max(exits) - last_step < 30, "no finished node hangs in torchrun's exit barrier"
 
 
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v3"])

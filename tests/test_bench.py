@@ -1,0 +1,116 @@
+"""The benchmark suite's quick mode end to end (real torchrun, real etcd, ~2-3 min on 2 cores): the
+results JSON has the full shape with finite numbers, and plots and table.md are written."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, worker_env
+
+pytestmark = pytest.mark.timeout(900)
+
+POSITIVE = ("samples_per_s", "step_ms_median", "median_step_samples_per_s", "wall_s")
+
+
+def _numbers(obj, path=""):
+    """(path, value) of every number in the JSON, booleans excluded."""
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, (int, float)):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+@pytest.fixture(scope="module")
+def quick(small_mnist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    run = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out), "--data-dir", small_mnist],
+                         capture_output=True, text=True, timeout=840, env=worker_env(), cwd=REPO, check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text()), run.stdout
+
+
+def test_shape_and_outputs(quick):
+    out, results, stdout = quick
+    for key in ("machine", "settings", "provenance", "throughput", "checkpoint_overhead", "recovery",
+                "time_to_accuracy", "gpu", "targets", "commands", "plots"):
+        assert key in results, key
+    assert results["mode"] == "quick" and results["machine"]["cores"] >= 1
+    for name in ("results.json", "table.md", *results["plots"]):
+        assert (out / name).stat().st_size > 0, name
+    assert len(results["plots"]) == 3
+    table = (out / "table.md").read_text()
+    assert "### Throughput" in table and "### Recovery" in table and "| kill |" in table
+    assert "[bench" in stdout and "samples/s" in stdout, "progress is printed as numbers arrive"
+    assert all(c.startswith("OMP_NUM_THREADS=1 ") for c in results["commands"]) and len(results["commands"]) >= 9
+
+
+def test_every_number_is_finite(quick):
+    _, results, _ = quick
+    numbers = list(_numbers(results))
+    assert numbers
+    bad = [(p, v) for p, v in numbers if not math.isfinite(v)]
+    assert not bad, bad
+    # A measured cost (and the cost target's value) may come out below zero: that is noise, not a bug.
+    negative = [(p, v) for p, v in numbers
+                if v < 0 and "cost" not in p and "extra_ms" not in p and not p.startswith(".targets")]
+    assert not negative, negative
+
+
+def test_throughput_numbers_are_positive(quick):
+    _, results, _ = quick
+    t = results["throughput"]
+    assert {(r["impl"], r["world_size"]) for r in t["runs"]} == {("bare", 1), ("seed", 1), ("ours", 1), ("seed", 2),
+                                                                 ("ours", 2)}
+    for r in t["runs"]:
+        assert all(r[k] > 0 for k in POSITIVE), r
+    for world in ("1", "2"):
+        row = t["summary"][world]
+        assert row["ours_vs_seed"] > 0 and row["ours_vs_bare"] > 0
+        assert row["ours"]["median"] > 0 and row["seed"]["median"] > 0
+
+
+def test_overhead_and_recovery_numbers(quick):
+    _, results, _ = quick
+    ov = results["checkpoint_overhead"]
+    assert ov["on"]["samples_per_s"]["median"] > 0 and ov["off"]["samples_per_s"]["median"] > 0
+    assert ov["on"]["step_ms_median"] > 0 and ov["on"]["checkpoints_saved"] > ov["off"]["checkpoints_saved"] - 1
+    assert ov["on"]["checkpoint_block_ms_max"] >= ov["on"]["checkpoint_block_ms_p95"] >= 0
+    (run,) = results["recovery"]["runs"]
+    assert run["scenario"] == "kill" and run["cold_start_s"] > 0 and run["orphans"] == []
+    (event,) = run["events"]
+    assert (event["world_size_before"], event["world_size_after"]) == (2, 1)
+    assert event["recovery_s"] > 0 and event["recovery_over_cold_start"] > 0 and event["steps_redone"] >= 0
+    assert set(event["breakdown"]) == {"detection_s", "rendezvous_s", "imports_s", "resume_s", "first_step_s"}
+    assert results["time_to_accuracy"]["runs"] == [] and results["time_to_accuracy"]["skipped"]
+
+
+def test_targets_are_judged(quick):
+    _, results, _ = quick
+    ids = {t["id"] for t in results["targets"]}
+    assert {"ours_vs_seed_w1", "ours_vs_bare_w1", "checkpoint_cost", "checkpoint_block", "kill_recovery_etcd-v3"} <= ids
+    assert all(t["met"] in (True, False) for t in results["targets"]), "every target has a measured value"
+    gpu = results["gpu"]
+    import torch
+
+    assert (gpu is None) == (not torch.cuda.is_available())
+
+
+def test_readme_markers_are_replaced_only_when_present(tmp_path):
+    from bench.report import END, START, update_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    assert not update_readme(readme, "table\n") and readme.read_text() == "# x\n"
+    readme.write_text(f"# x\n{START}\nold\n{END}\ntail\n")
+    assert update_readme(readme, "new table\n")
+    assert readme.read_text() == f"# x\n{START}\nnew table\n{END}\ntail\n"
