@@ -318,3 +318,24 @@ def test_torchrun_reports_an_unknown_rdzv_conf_key() -> None:
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode != 0
     assert "unknown --rdzv-conf key(s) for etcd-v3: bogus_key; valid keys:" in result.stderr
+
+
+def test_a_crashed_jobs_state_never_blocks_a_new_job_id(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+    """Job A's agent dies mid-round (its state stays in etcd); job B, with a new id, forms its round at once."""
+    server = etcd_server_v3only
+    crashed = subprocess.Popen([sys.executable, "-c", AGENT_B, server.endpoint, "job-a"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for_state(server, "job-a", lambda state: len(state.participants) == 1)
+        crashed.send_signal(signal.SIGKILL)
+        crashed.wait()
+        started = time.monotonic()
+        handler = get_rendezvous_handler(rdzv_params(server.endpoint, "job-b", 1, 2, **FAST))
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert time.monotonic() - started < FAST["last_call_timeout"] + 10
+        assert read_rendezvous_status(server.endpoint, "job-a")["found"], "job A's stale state is still there"
+        handler.shutdown()
+    finally:
+        crashed.kill()
+        crashed.wait()
