@@ -3,13 +3,14 @@ sample (PIL → ToTensor → Normalize) through a DataLoader with DistributedSam
 
     torchrun --standalone --nproc-per-node=1 -m bench.seed_loop --data-dir ../shared/data --steps 300
 
-Prints one JSON line from rank 0: {"samples_per_s": ..., "steps": ..., "world_size": ...}.
+Prints one JSON line from rank 0: {"samples_per_s": ..., "step_ms_median": ..., "steps": ..., "world_size": ...}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -37,15 +38,19 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler)
     model = DDP(build_model(512, 0))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    step, epoch, t0 = 0, 0, 0.0
+    step, epoch, t0, last, step_s = 0, 0, 0.0, 0.0, []
     while step < args.warmup + args.steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
             if step == args.warmup:
-                t0 = time.perf_counter()
+                t0 = last = time.perf_counter()
             optimizer.zero_grad()
             F.nll_loss(model(x.view(len(x), -1)), y).backward()
             optimizer.step()
+            if step >= args.warmup:  # loading the next batch counts: it is part of what a step costs
+                now = time.perf_counter()
+                step_s.append(now - last)
+                last = now
             step += 1
             if step == args.warmup + args.steps:
                 break
@@ -53,7 +58,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     if rank == 0:
         rate = args.steps * args.global_batch_size / elapsed
-        print(json.dumps({"samples_per_s": rate, "steps": args.steps, "world_size": world}), flush=True)
+        print(json.dumps({"samples_per_s": rate, "step_ms_median": statistics.median(step_s) * 1000,
+                          "steps": args.steps, "world_size": world}), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,160 @@
+"""The benchmark suite: throughput, checkpoint overhead, recovery, time to accuracy (and GPU when present).
+
+    python -m bench --data-dir ../shared/data --update-readme      # full: 15-25 min on 2 cores
+    python -m bench --quick --out /tmp/bench                        # ~2 min, small generated data set
+    elastic-mnist bench --quick --out /tmp/bench                    # the same through the CLI
+
+Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
+OUT/table.md (generated from results.json); --update-readme also puts the table into README.md
+between `<!-- bench:start -->` and `<!-- bench:end -->` when both markers are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import elastic, overhead, plots, report, settings, targets, throughput
+from bench.machine import describe, one_line
+from bench.runner import REPO, BenchError, Runner, log
+
+DEFAULT_OUT = REPO / "bench" / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-mnist bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", default=os.environ.get("ELASTIC_MNIST_DATA_DIR", ""),
+                   help="MNIST root (MNIST/raw/*-ubyte); --quick generates a small set when omitted")
+    p.add_argument("--quick", action="store_true", help="a few dozen steps, 1 repeat, kill only, no time to accuracy")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"where results go (default {DEFAULT_OUT})")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats in full mode (default 3)")
+    p.add_argument("--work-dir", default="", help="scratch for run dirs and checkpoints (default: a temp dir)")
+    p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs of every run)")
+    p.add_argument("--update-readme", action="store_true", help="rewrite README.md between the bench markers")
+    return p
+
+
+def _settings(args, work: Path) -> settings.Settings:
+    if args.quick:
+        data = args.data_dir
+        if not data:  # learnable stand-in in MNIST's IDX layout; both loaders read it
+            from elastic_mnist.data import write_synthetic_mnist
+
+            data = str(write_synthetic_mnist(work / "data", 2000, 500))
+        return settings.quick(os.path.abspath(data))
+    if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
+        raise BenchError(f"--data-dir {args.data_dir!r} has no MNIST/raw; full mode measures real MNIST")
+    return settings.full(os.path.abspath(args.data_dir), max(1, args.repeats))
+
+
+def provenance() -> dict:
+    """Which code was measured: the commit, uncommitted changes, and a hash of the measured sources
+    (a commit that only touches tests or docs during a run does not change what was measured)."""
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30,
+                                  check=False).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = [line[3:] for line in git("status", "--porcelain").splitlines()
+             if line[3:].startswith(("elastic_mnist/", "bench/")) and not line[3:].startswith("bench/results")]
+    digest = hashlib.sha256()
+    for path in sorted([*REPO.glob("elastic_mnist/**/*.py"), *REPO.glob("bench/*.py")]):
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    desc = f"commit {commit[:10] or 'unknown'}" + (f" + uncommitted changes to {len(dirty)} file(s)" if dirty else "")
+    return {"commit": commit, "uncommitted": dirty, "code_sha256": digest.hexdigest()[:16], "describe": desc}
+
+
+def measure(s: settings.Settings, runner: Runner) -> dict:
+    results = {"throughput": throughput.measure(runner, s), "checkpoint_overhead": overhead.measure(runner, s),
+               "recovery": elastic.measure_recovery(runner, s)}
+    if s.tta_epochs:
+        results["time_to_accuracy"] = elastic.measure_tta(runner, s)
+    else:
+        results["time_to_accuracy"] = {"skipped": "quick mode", "threshold": s.tta_threshold, "epochs": 0, "runs": []}
+    results["gpu"] = throughput.measure_gpu(runner, s)
+    return results
+
+
+def commands(obj) -> list[str]:
+    """Every command line recorded anywhere in the results, in order."""
+    if isinstance(obj, dict):
+        return ([obj["command"]] if isinstance(obj.get("command"), str) else []) + [
+            c for k, v in obj.items() if k != "command" for c in commands(v)]
+    if isinstance(obj, list):
+        return [c for v in obj for c in commands(v)]
+    return []
+
+
+def write_outputs(results: dict, out: Path, update_readme: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plots.draw_all(results, out)
+    (out / "results.json").write_text(json.dumps(_finite(results), indent=2) + "\n")
+    (out / "table.md").write_text(report.render(results))
+    log(f"wrote {out / 'results.json'}, {out / 'table.md'} and {', '.join(results['plots'])}")
+    if update_readme:
+        readme = REPO / "README.md"
+        prefix = os.path.relpath(out, readme.parent) + "/"
+        if report.update_readme(readme, report.render(results, image_prefix=prefix)):
+            log(f"updated {readme} between the bench markers")
+        else:
+            log(f"{readme} has no {report.START} ... {report.END} markers: left unchanged")
+
+
+def _finite(obj):
+    """JSON has no NaN/inf: a number that is not finite is written as null, never as invalid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
+    started = time.time()
+    try:
+        s = _settings(args, work)
+        machine = describe()
+        log(f"{s.mode} run on {one_line(machine)}; scratch {work}")
+        results = {"schema": 1, "mode": s.mode, "settings": s.to_dict(), "machine": machine,
+                   "provenance": provenance(), "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        results.update(measure(s, Runner(work)))
+        results["targets"] = targets.judge(results)
+        end = provenance()  # the tree may move under a long run (others commit while it measures)
+        if end["code_sha256"] != results["provenance"]["code_sha256"]:
+            results["provenance"]["at_end"] = end
+            results["provenance"]["describe"] += (f"; at the end {end['describe']} "
+                                                  "(measured code CHANGED during the run)")
+        results.update(finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), wall_s=round(time.time() - started, 1))
+        results["commands"] = commands({k: v for k, v in results.items() if k != "commands"})
+        write_outputs(results, Path(args.out), args.update_readme)
+    except BenchError as e:
+        log(f"error: {e}")
+        return 1
+    finally:
+        if not args.keep_work and not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    for t in results["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        log(f"target {t['id']}: {verdict} ({t['value']} {t['op']} {t['threshold']}) {t['detail']}")
+    log(f"done in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The suite's targets, judged from results.json, each with the measured detail that explains it.
+
+    python -c "import json, bench.targets as t; print(t.judge(json.load(open('bench/results/results.json'))))"
+"""
+
+from __future__ import annotations
+
+
+def _x(v) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def _pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def _sec(v) -> str:
+    return "n/a" if v is None else f"{v:.2f} s"
+
+
+def target(tid: str, text: str, value, op: str, threshold: float, detail: str = "") -> dict:
+    met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+    return {"id": tid, "description": text, "value": value, "op": op, "threshold": threshold, "met": met,
+            "detail": detail}
+
+
+def _throughput(results: dict) -> list[dict]:
+    w1 = results["throughput"]["summary"].get("1", {})
+    step = w1.get("median_step", {})
+    return [target("ours_vs_seed_w1", "throughput at world 1 >= 1.8x the seed loop", w1.get("ours_vs_seed"), ">=",
+                   1.8, f"by median step time: {_x(step.get('ours_vs_seed'))}"),
+            target("ours_vs_bare_w1", "throughput at world 1 >= 0.9x the bare loop", w1.get("ours_vs_bare"), ">=",
+                   0.9, f"by median step time: {_x(step.get('ours_vs_bare'))}")]
+
+
+def _cost_detail(ov: dict) -> str:
+    probes = "; ".join(f"probe: {k} saves cost {_pct(p['cost_at_interval'])} at every {p['interval']} steps"
+                       for k, p in ov.get("probe", {}).items())
+    return (f"checkpoints without snapshots {_pct(ov.get('throughput_cost_checkpoints_only'))}; paired median "
+            f"{_pct(ov['throughput_cost_paired'])}; median step {_pct(ov['step_time_cost'])}; blocking alone "
+            f"{_pct(ov['blocking_cost'])}; {probes}")
+
+
+def _block_detail(ov: dict) -> str:
+    def ms(v: dict) -> str:
+        return (f"p50 {v['checkpoint_block_ms_p50']:.2f}, p95 {v['checkpoint_block_ms_p95']:.2f}, max "
+                f"{v['checkpoint_block_ms_max']:.2f} ms vs step {v['step_ms_median']:.2f} ms")
+
+    only, saves = ov.get("checkpoints_only"), ov.get("saves", {})
+    over = [f"{o['variant']} step {o['step']} ({o['kind']}) {o['block_ms']:.1f} ms"
+            for o in saves.get("longer_than_a_step", [])]
+    return (f"block {ms(ov['on'])}" + (f"; without snapshots {ms(only)}" if only else "")
+            + f"; {len(over)} of {saves.get('saves', 0)} saves longer than a step"
+            + (f": {', '.join(over)}" if over else ""))
+
+
+def _overhead(results: dict) -> list[dict]:
+    ov = results["checkpoint_overhead"]
+    return [target("checkpoint_cost", "periodic checkpoints cost <= 3% throughput", ov["throughput_cost"], "<=",
+                   0.03, _cost_detail(ov)),
+            target("checkpoint_block", "no save blocks longer than one (median) step", ov["block_max_over_step"],
+                   "<=", 1.0, _block_detail(ov))]
+
+
+def _where_recovery_goes(e: dict) -> str:
+    parts = sorted((e.get("breakdown") or {}).items(), key=lambda kv: -(kv[1] or 0))
+    return "largest parts: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in parts[:3]) if parts else ""
+
+
+def _recovery(results: dict) -> list[dict]:
+    out = []
+    for run in results["recovery"]["runs"]:
+        first, backend = (run["events"] or [{}])[0], run["backend"]
+        if run["scenario"] == "kill":
+            which = "default etcd-v3" if backend == "etcd-v3" else f"legacy {backend}, for comparison"
+            detail = (f"{_sec(first.get('recovery_s'))} vs cold start {_sec(run['cold_start_s'])}; "
+                      + _where_recovery_goes(first))
+            out.append(target(f"kill_recovery_{backend}", f"kill recovery <= 1.5x cold start ({which})",
+                              first.get("recovery_over_cold_start"), "<=", 1.5, detail))
+        if run["scenario"] in ("term", "join"):
+            out.append(target(f"{run['scenario']}_{backend}_redone",
+                              f"{run['scenario']}: zero steps redone ({backend})", first.get("steps_redone"), "<=", 0))
+    return out
+
+
+def judge(results: dict) -> list[dict]:
+    return _throughput(results) + _overhead(results) + _recovery(results)
