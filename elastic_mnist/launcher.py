@@ -148,6 +148,9 @@ class Launcher:
                     self.view.event(f"{node.name} exited with code {node.returncode}")
             self._fire_next()
             time.sleep(POLL_S)
+        for node in self.nodes.values():  # the last exits end the loop before it could note them
+            if node.exited_at is None and not node.running:
+                node.exited_at = time.time()
 
     def _fire_next(self) -> None:
         """Faults fire in schedule order, each once the job has recovered from the previous one, so
