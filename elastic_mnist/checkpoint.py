@@ -102,14 +102,22 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     return True
 
 
-def load_latest(directory: str, warn: Callable[[str], None] = print) -> tuple[dict, str] | None:
-    """The newest checkpoint that verifies; a damaged newer one is skipped with a warning naming it."""
-    for _, path in list_checkpoints(directory):
+def iter_valid(directory: str, warn: Callable[[str], None] = print):
+    """(step, path, blob, state) of each checkpoint that verifies, newest first; a damaged one is
+    skipped with a warning naming it (and kept on disk)."""
+    for step, path in list_checkpoints(directory):
         try:
             with open(path, "rb") as f:
-                return decode(f.read(), path), path
+                blob = f.read()
+            yield step, path, blob, decode(blob, path)
         except (CheckpointError, OSError, RuntimeError) as e:
             warn(f"warning: skipping checkpoint {path}: {e}")
+
+
+def load_latest(directory: str, warn: Callable[[str], None] = print) -> tuple[dict, str] | None:
+    """The newest checkpoint that verifies."""
+    for _, path, _, state in iter_valid(directory, warn):
+        return state, path
     return None
 
 

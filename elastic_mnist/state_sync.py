@@ -18,7 +18,6 @@ from typing import Callable
 import torch.distributed as dist
 
 from elastic_mnist import checkpoint
-from elastic_mnist.checkpoint import CheckpointError
 from elastic_mnist.errors import UserError
 
 
@@ -36,14 +35,7 @@ class Candidate:
 
 def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | None = None) -> Candidate | None:
     """The newest file in `directory` that verifies (and, for snapshots, belongs to this job)."""
-    for step, path in checkpoint.list_checkpoints(directory):
-        try:
-            with open(path, "rb") as f:
-                blob = f.read()
-            state = checkpoint.decode(blob, path)
-        except (CheckpointError, OSError, RuntimeError) as e:
-            warn(f"warning: skipping checkpoint {path}: {e}")
-            continue
+    for step, path, blob, state in checkpoint.iter_valid(directory, warn):
         if origin is not None and state.get("origin") != origin:
             warn(f"warning: ignoring snapshot {path}: it belongs to another job ({state.get('origin')})")
             continue

@@ -51,6 +51,16 @@ def run_train(args: list[str], timeout: float = 300, **env: str) -> subprocess.C
                           timeout=timeout, env=worker_env(**env), cwd=REPO)
 
 
+def load_render():
+    """deploy/render.py (a script, not a package module), for the manifest tests."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deploy_render", REPO / "deploy" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elastic_mnist.train", *train_args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO)

@@ -5,7 +5,6 @@ workers launch with the same elastic settings as the manifests, and deploy/rende
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_render
 import torch
 import torchvision
 import yaml
@@ -29,14 +30,7 @@ DOCKERFILE = REPO / "deploy" / "Dockerfile"
 COMPOSE = REPO / "deploy" / "docker-compose.yaml"
 
 
-def _load_render():
-    spec = importlib.util.spec_from_file_location("deploy_render", REPO / "deploy" / "render.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render = _load_render()
+render = load_render()
 
 
 def instructions(text: str) -> list[tuple[str, str]]:

@@ -7,7 +7,6 @@ Needs kubectl (it renders the kustomize variants) on PATH or beside this Python 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+
+from conftest import load_render
 import yaml
 from torch.distributed.run import get_args_parser
 
@@ -32,14 +33,7 @@ SEED_POD = REPO / "deploy" / "mnist-seed-pod.yaml"  # the helper that copies MNI
 K8S_VERSION = "1.32.0"  # a recent release every managed cloud offers; strict: unknown fields are errors
 
 
-def _load_render():
-    spec = importlib.util.spec_from_file_location("deploy_render", REPO / "deploy" / "render.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render = _load_render()
+render = load_render()
 VARIANTS = render.overlays()
 GPU_VARIANTS = [v for v in VARIANTS if v != "cpu"]
 
