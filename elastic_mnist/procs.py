@@ -1,0 +1,151 @@
+"""Process helpers used by the package, the tests and bench: parent death, /proc reading, the torchrun
+command line, the child environment, and waiting on a condition with a deadline.
+
+    python -c "from elastic_mnist.procs import torchrun_command; print(torchrun_command(['--standalone'], []))"
+
+Linux-only where it touches prctl and /proc; elsewhere those helpers degrade to no-ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+_PR_SET_PDEATHSIG = 1
+_LINUX = sys.platform.startswith("linux")
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies.
+
+    If the parent is already gone (it died before this call), exit at once: nobody supervises us.
+    Linux ties the signal to the parent THREAD that forked us, so parents start such children from a
+    thread that lives as long as they should."""
+    if not _LINUX:
+        return
+    parent = os.getppid()
+    _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+def die_with_parent_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A Popen preexec_fn: the child gets `sig` when the parent dies (no orphans from a killed test)."""
+    if not _LINUX:
+        return None
+    libc = _libc()  # loaded before fork: no dlopen in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork() and prctl()
+            os._exit(1)
+    return preexec
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces and parentheses)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def proc_state(pid: int) -> str | None:
+    """One-letter state (R, S, T, Z, ...) or None when there is no such process."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def proc_ppid(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie."""
+    state = proc_state(pid)
+    return state is not None and state != "Z"
+
+
+def children() -> dict[int, list[int]]:
+    """ppid -> pids of every live process."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (ppid := proc_ppid(int(entry))) is not None:
+            tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def descendants(root: int) -> list[int]:
+    """root and every live process below it (workers may sit in sessions of their own)."""
+    tree, out, todo = children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        if alive(pid):
+            out.append(pid)
+        todo += tree.get(pid, [])
+    return out
+
+
+def torchrun_command(torchrun_args: list[str], module_args: list[str], module: str = "elastic_mnist.train") -> list[str]:
+    """The one way we start torchrun: this interpreter, so the agent and its workers share our venv."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", module, *module_args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a child that runs our code: no inherited rank variables (a test run under
+    torchrun must not leak its own), this venv first on PATH, unbuffered output, and one intra-op
+    thread unless the caller set more (several processes share few cores)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_",
+                                                                     "ROLE_", "TORCHELASTIC", "MASTER_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Poll a cheap predicate until it returns something truthy; TimeoutError naming `what` after the
+    deadline. For conditions no file descriptor can signal (a line in a log another process writes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait for a process that is not our child to go away (pidfd where available); True if it did."""
+    if hasattr(os, "pidfd_open"):
+        import select
+
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return True
+        try:
+            return bool(select.select([fd], [], [], timeout_s)[0]) or not alive(pid)
+        finally:
+            os.close(fd)
+    try:
+        wait_for(lambda: not alive(pid), timeout_s, f"pid {pid} to exit")
+        return True
+    except TimeoutError:
+        return False
