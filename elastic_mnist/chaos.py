@@ -11,8 +11,6 @@ term (SIGTERM to the node's torchrun agent: a spot preemption notice), stop (SIG
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -61,47 +59,6 @@ def parse_schedule(text: str) -> list[Fault]:
     return faults
 
 
-class SampleTail:
-    """Follows the trainer's per-rank sample logs (one file per worker process) as they grow."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self.files: dict[str, list[dict]] = {}
-        self.journal: list[dict] = []
-        """The workers' events (start-up phases, stops, collective failures, evaluations)."""
-        self._offsets: dict[str, int] = {}
-        self.latest_step = -1
-        self.world_size = 0
-
-    def _read_new(self, name: str) -> list[dict]:
-        with open(os.path.join(self.directory, name), "rb") as f:
-            f.seek(self._offsets.get(name, 0))
-            chunk = f.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-        self._offsets[name] = self._offsets.get(name, 0) + len(complete)
-        return [dict(json.loads(line), file=name) for line in complete.decode().splitlines() if line]
-
-    def _names(self, sub: str = "") -> list[str]:
-        try:
-            return sorted(os.path.join(sub, n) for n in os.listdir(os.path.join(self.directory, sub))
-                          if n.endswith(".jsonl"))
-        except FileNotFoundError:
-            return []
-
-    def poll(self) -> list[dict]:
-        new = []
-        for name in self._names():
-            records = self._read_new(name)
-            self.files.setdefault(name, []).extend(records)
-            new += records
-        for name in self._names("events"):
-            self.journal += self._read_new(name)
-        for r in sorted(new, key=lambda r: r["time"]):
-            self.latest_step = max(self.latest_step, r["step"] + 1)
-            self.world_size = r["world_size"]
-        return new
-
-
 @dataclass
 class Event:
     kind: str
@@ -116,26 +73,27 @@ class Event:
     notes: list = field(default_factory=list)
 
 
-def account(event: Event, files: dict[str, list[dict]], journal: list[dict] | None = None) -> None:
-    """Fill recovery_s and steps_redone from the sample logs.
+def account(event: Event, processes: dict[int, list[dict]], journal: list[dict] | None = None) -> None:
+    """Fill recovery_s and steps_redone from the sample records of each worker process (pid -> records,
+    as runlog.RunTail.processes holds them).
 
     Recovery: from the fault to the first step completed by a worker process started after it.
     Steps redone: steps completed before the fault that the new workers computed again.
     """
-    new_files = [recs for recs in files.values() if recs and recs[0]["time"] > event.time]
-    old_files = [recs for recs in files.values() if recs and recs[0]["time"] <= event.time]
+    new_procs = [recs for recs in processes.values() if recs and recs[0]["time"] > event.time]
+    old_procs = [recs for recs in processes.values() if recs and recs[0]["time"] <= event.time]
     if event.kind == "etcd-restart":  # no membership change expected: the same workers keep going
-        later = [r for recs in old_files for r in recs if r["time"] > event.time]
+        later = [r for recs in old_procs for r in recs if r["time"] > event.time]
         if later:
             first = min(later, key=lambda r: r["time"])
             event.world_size_after, event.steps_redone = first["world_size"], 0
             event.recovery_s = round(first["time"] - event.time, 3)
             return
-    if not new_files:
+    if not new_procs:
         return
-    first = min((recs[0] for recs in new_files), key=lambda r: r["time"])
-    done_before = [r["step"] for recs in old_files for r in recs if r["time"] <= first["time"]]
-    first_new_step = min(r["step"] for recs in new_files for r in recs)
+    first = min((recs[0] for recs in new_procs), key=lambda r: r["time"])
+    done_before = [r["step"] for recs in old_procs for r in recs if r["time"] <= first["time"]]
+    first_new_step = min(r["step"] for recs in new_procs for r in recs)
     event.world_size_after = first["world_size"]
     event.recovery_s = round(first["time"] - event.time, 3)
     event.steps_redone = max(0, max(done_before, default=-1) - first_new_step + 1)
@@ -147,7 +105,7 @@ def breakdown(event: Event, first: dict, journal: list[dict]) -> dict | None:
     process exists), imports, resume (process group, data, checkpoint), first step."""
     after = sorted((e for e in journal if e["time"] > event.time), key=lambda e: e["time"])
     stopped = next((e["time"] for e in after if e["event"] in ("collective_failed", "stop")), None)
-    start = next((e for e in after if e["event"] == "startup" and os.path.basename(e["file"]) == first["file"]), None)
+    start = next((e for e in after if e["event"] == "startup" and e["pid"] == first["pid"]), None)
     if start is None:
         return None
     p = start["phases"]

@@ -22,6 +22,7 @@ from elastic_mnist import chaos, torchrun_settings
 from elastic_mnist.config import parse_args as parse_train_args
 from elastic_mnist.errors import UserError
 from elastic_mnist.live import LiveView
+from elastic_mnist.runlog import RunTail
 from elastic_mnist.nodes import Node, alive, torchrun_command
 
 POLL_S = 0.1
@@ -68,7 +69,7 @@ class Launcher:
         self.run_id = f"local-{os.getpid()}-{int(time.time())}"  # a closed rendezvous id cannot be reused
         self.nodes: dict[str, Node] = {}
         self.events: list[chaos.Event] = []
-        self.tail = chaos.SampleTail(config.sample_log)
+        self.tail = RunTail(config.sample_log, config.log_dir)
         self.view = LiveView(self.nodes)
         self.etcd = None
         self.t0 = time.time()
@@ -103,11 +104,10 @@ class Launcher:
         """A node by name, or `rank0`: the node whose process tree runs the newest rank-0 worker."""
         if name != "rank0":
             return self.nodes.get(name)
-        rank0 = [recs[-1] for recs in self.tail.files.values() if recs and recs[-1]["rank"] == 0]
-        if not rank0:
+        newest = self.tail.newest(rank=0)
+        if newest is None:
             return None
-        pid = int(max(rank0, key=lambda r: r["time"])["file"].rsplit("-pid", 1)[1].split(".")[0])
-        return next((n for n in self.nodes.values() if pid in n.tree()), None)
+        return next((n for n in self.nodes.values() if newest["pid"] in n.tree()), None)
 
     def fire(self, fault: chaos.Fault) -> None:
         fault.fired = True
@@ -159,7 +159,7 @@ class Launcher:
         if not pending or not pending[0].due(self.tail.latest_step, time.time() - self.t0):
             return
         if self.events and self.events[-1].kind != "etcd-restart":
-            chaos.account(self.events[-1], self.tail.files)
+            chaos.account(self.events[-1], self.tail.processes)
             if self.events[-1].recovery_s is None:
                 return
         self.fire(pending[0])
@@ -192,14 +192,14 @@ class Launcher:
 
     def _cold_start_s(self) -> float | None:
         """Launch of the first nodes to the job's first completed step: what a recovery is compared to."""
-        firsts = [recs[0]["time"] for recs in self.tail.files.values() if recs]
+        firsts = [recs[0]["time"] for recs in self.tail.processes.values()]
         return round(min(firsts) - self.nodes_started_at, 3) if firsts else None
 
     def report(self) -> int:
         self.tail.poll()
         self.view.poll()
         for event in self.events:
-            chaos.account(event, self.tail.files, self.tail.journal)
+            chaos.account(event, self.tail.processes, self.tail.journal)
         orphans = sorted(pid for n in self.nodes.values() for pid in n.seen_pids if alive(pid))
         summary_path = os.path.join(self.config.log_dir, "summary.json")
         summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None

@@ -6,8 +6,9 @@ rank 0, warnings from any node, and the launcher's own events, each stamped with
 
 from __future__ import annotations
 
-import os
 import time
+
+from elastic_mnist.runlog import LineTail
 
 # Lines worth showing live; torchrun's own INFO/WARNING chatter stays in the node logs.
 _SHOW = ("[train]", "[eval]", "[resume]", "[start]", "[stop]", "[done]", "[first-step]")
@@ -17,7 +18,7 @@ _WARN = ("warning:", "collective failed", "error:")
 class LiveView:
     def __init__(self, nodes: dict):
         self.nodes = nodes
-        self._offsets: dict[str, int] = {}
+        self._tails: dict[str, LineTail] = {}
         self.t0 = time.time()
 
     def _stamp(self) -> str:
@@ -28,14 +29,7 @@ class LiveView:
 
     def poll(self) -> None:
         for name, node in list(self.nodes.items()):
-            try:
-                with open(node.log_path, "rb") as f:
-                    f.seek(self._offsets.get(name, 0))
-                    chunk = f.read()
-            except FileNotFoundError:
-                continue
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self._offsets[name] = self._offsets.get(name, 0) + len(complete)
-            for line in complete.decode(errors="replace").splitlines():
+            tail = self._tails.setdefault(name, LineTail(node.log_path))
+            for line in tail.read():
                 if line.startswith(_SHOW) or any(w in line for w in _WARN):
                     print(f"{self._stamp()} [{name}] {line.strip()[:240]}", flush=True)

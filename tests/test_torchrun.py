@@ -4,7 +4,8 @@ replay the uninterrupted global batches. And the issue's acceptance run at world
 import json
 
 from conftest import run_torchrun
-from elastic_mnist.data import BatchPlan, read_sample_logs
+from elastic_mnist.data import BatchPlan
+from elastic_mnist.runlog import read_records
 
 
 def _train_args(data: str, tmp, *extra: str) -> list[str]:
@@ -19,7 +20,7 @@ def test_two_workers_then_one_worker_resume_in_the_uninterrupted_order(small_mni
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     assert "[resume] step 7 (epoch 0, position 7)" in one.stdout and "saved at world size 2; now world size 1" in one.stdout
 
-    records = read_sample_logs(str(tmp_path / "samples"))
+    records = read_records(str(tmp_path / "samples"))
     plan = BatchPlan(2000, 48, seed=0)
     for step in range(15):
         at_step = sorted((r for r in records if r["step"] == step), key=lambda r: r["rank"])
@@ -49,7 +50,7 @@ def test_a_worker_never_outlives_its_agent(small_mnist, tmp_path):
     import time
 
     from conftest import REPO, worker_env
-    from elastic_mnist.nodes import alive, children
+    from elastic_mnist.procs import alive, children
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
            "elastic_mnist.train", "--data-dir", small_mnist, "--max-steps", "100000", "--min-step-time", "0.05",

@@ -8,7 +8,8 @@ import torch
 
 from conftest import run_train
 from elastic_mnist import checkpoint
-from elastic_mnist.data import BatchPlan, read_sample_logs
+from elastic_mnist.data import BatchPlan
+from elastic_mnist.runlog import read_records
 
 
 def _args(data: str, tmp, name: str, *extra: str) -> list[str]:
@@ -32,7 +33,7 @@ def test_resume_is_bit_for_bit_equal_to_a_straight_run(small_mnist, tmp_path):
     assert "[resume] step 8 (epoch 0, position 8)" in second.stdout
     a, b = _final_weights(tmp_path, "a"), _final_weights(tmp_path, "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = sorted(r["step"] for r in read_sample_logs(str(tmp_path / "b" / "samples")))
+    steps = sorted(r["step"] for r in read_records(str(tmp_path / "b" / "samples")))
     assert steps == list(range(20)), "no step skipped or repeated across the restart"
     summary = json.loads((tmp_path / "b" / "runs" / "summary.json").read_text())
     assert summary["global_step"] == 20 and summary["restarts"] == 1 and summary["epochs_completed"] == 1
@@ -41,7 +42,7 @@ def test_resume_is_bit_for_bit_equal_to_a_straight_run(small_mnist, tmp_path):
 def test_sample_log_matches_the_plan(small_mnist, tmp_path):
     run = run_train(_args(small_mnist, tmp_path, "s", "--max-steps", "6", "--global-batch-size", "50"))
     assert run.returncode == 0, run.stderr
-    records = read_sample_logs(str(tmp_path / "s" / "samples"))
+    records = read_records(str(tmp_path / "s" / "samples"))
     plan = BatchPlan(2000, 50, seed=0)
     assert [r["indices"] for r in records] == [plan.global_indices(s).tolist() for s in range(6)]
     assert all(r["world_size"] == 1 and r["rank"] == 0 and r["restart"] == 0 for r in records)

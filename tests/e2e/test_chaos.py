@@ -13,7 +13,8 @@ import pytest
 
 from conftest import REPO, worker_env
 from elastic_mnist.data import BatchPlan
-from elastic_mnist.nodes import alive, children
+from elastic_mnist.procs import alive, children
+from elastic_mnist.runlog import read_records
 
 pytestmark = pytest.mark.e2e
 BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set
@@ -38,11 +39,10 @@ def assert_replays_plan(run_dir, steps: int) -> None:
     completed by a full set of ranks: the uninterrupted order, whatever the world size did."""
     plan = BatchPlan(2000, BATCH, seed=0)
     ranks_at: dict[tuple[int, int], set] = {}
-    for path in (run_dir / "samples").glob("*.jsonl"):
-        for r in map(json.loads, path.read_text().splitlines()):
-            expected = plan.rank_indices(r["step"], r["world_size"], r["rank"]).tolist()
-            assert r["indices"] == expected, f"step {r['step']} rank {r['rank']}/{r['world_size']}"
-            ranks_at.setdefault((r["step"], r["world_size"]), set()).add(r["rank"])
+    for r in read_records(str(run_dir / "samples")):
+        expected = plan.rank_indices(r["step"], r["world_size"], r["rank"]).tolist()
+        assert r["indices"] == expected, f"step {r['step']} rank {r['rank']}/{r['world_size']}"
+        ranks_at.setdefault((r["step"], r["world_size"]), set()).add(r["rank"])
     complete = {step for (step, world), ranks in ranks_at.items() if ranks == set(range(world))}
     assert complete == set(range(steps)), f"steps never completed by a full group: {set(range(steps)) - complete}"
 
@@ -162,6 +162,5 @@ def test_kill_join_term_matches_the_fault_free_run(mnist_root, tmp_path):
     assert report["orphans"] == [] and report["summary"]["global_step"] == 300
     n = 60000 if real else 12000
     plan = BatchPlan(n, 128, seed=0)
-    for path in (tmp_path / "chaos" / "samples").glob("*.jsonl"):
-        for r in map(json.loads, path.read_text().splitlines()):
-            assert r["indices"] == plan.rank_indices(r["step"], r["world_size"], r["rank"]).tolist()
+    for r in read_records(str(tmp_path / "chaos" / "samples")):
+        assert r["indices"] == plan.rank_indices(r["step"], r["world_size"], r["rank"]).tolist()

@@ -1,0 +1,149 @@
+"""The run log: per-step sample records and the workers' event journal, one JSONL file per process.
+
+    python -c "from elastic_mnist.runlog import read_records; print(len(read_records('runs/local-X/samples')))"
+
+Writer (one per worker process): sample records go to `<sample_dir>/`, events to `<log_dir>/events/`,
+each file named restartNNN-rankNNN-pidNNN.jsonl so no two processes share a file. Every record carries
+rank, world_size, restart, pid and time as fields; readers use those, never the file name. Readers:
+`read_records` for a finished run, `LineTail`/`JsonlTail`/`RunTail` to follow a live one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the launcher reads run logs without importing torch
+    import torch
+
+EVENTS = "events"
+
+
+def events_dir(log_dir: str) -> str:
+    """Where the event journal of a run with this --log-dir lives."""
+    return os.path.join(log_dir, EVENTS)
+
+
+class RunLog:
+    """This worker process's sample records (when sample_dir is set) and events (when log_dir is set)."""
+
+    def __init__(self, log_dir: str, sample_dir: str, rank: int, world_size: int, restart: int):
+        self._fixed = {"rank": rank, "world_size": world_size, "restart": restart, "pid": os.getpid()}
+        name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
+        self._samples = _open_append(sample_dir, name) if sample_dir else None
+        self._events = _open_append(events_dir(log_dir), name) if log_dir else None
+
+    def step(self, step: int, epoch: int, indices: "torch.Tensor") -> None:
+        """The dataset indices this rank used for one optimizer step."""
+        if self._samples is not None:
+            self._write(self._samples, {"step": step, "epoch": epoch, "indices": indices.tolist()})
+
+    def event(self, kind: str, **fields) -> None:
+        """A journal entry: start-up phases, evaluations, stops, failures (for the launcher's report)."""
+        if self._events is not None:
+            self._write(self._events, {"event": kind, **fields})
+
+    def _write(self, f, record: dict) -> None:
+        f.write(json.dumps({**record, **self._fixed, "time": time.time()}) + "\n")
+
+    def close(self) -> None:
+        for f in (self._samples, self._events):
+            if f is not None:
+                f.close()
+        self._samples = self._events = None
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_append(directory: str, name: str):
+    os.makedirs(directory, exist_ok=True)
+    return open(os.path.join(directory, name), "a", buffering=1)  # line-buffered: a crash loses no full line
+
+
+def read_records(directory: str) -> list[dict]:
+    """Every record of every *.jsonl file directly in `directory` (empty if it does not exist).
+
+    A line a killed process left half-written is skipped: it never completed."""
+    records = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        records += _parse(path.read_bytes().decode(errors="replace").splitlines(keepends=True))
+    return records
+
+
+def _parse(lines: list[str]) -> list[dict]:
+    return [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
+
+
+class LineTail:
+    """The complete lines a growing file gained since the last read; a line still being written waits."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        return complete.decode(errors="replace").splitlines()
+
+
+class JsonlTail:
+    """New records of every *.jsonl file in a directory, including files that appear later."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._tails: dict[str, LineTail] = {}
+
+    def read(self) -> list[dict]:
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".jsonl"))
+        except FileNotFoundError:
+            return []
+        records = []
+        for name in names:
+            tail = self._tails.setdefault(name, LineTail(os.path.join(self.directory, name)))
+            records += [json.loads(line) for line in tail.read() if line.strip()]
+        return records
+
+
+class RunTail:
+    """Follows a live run: sample records grouped by worker process, the event journal, and the
+    newest step and world size (what the local launcher's fault triggers and report need)."""
+
+    def __init__(self, sample_dir: str, log_dir: str):
+        self._samples = JsonlTail(sample_dir)
+        self._events = JsonlTail(events_dir(log_dir))
+        self.processes: dict[int, list[dict]] = {}
+        """pid -> that worker process's sample records, in order."""
+        self.journal: list[dict] = []
+        self.latest_step = -1
+        """Steps completed so far (the highest step index seen + 1)."""
+        self.world_size = 0
+
+    def poll(self) -> list[dict]:
+        new = self._samples.read()
+        for r in new:
+            self.processes.setdefault(r["pid"], []).append(r)
+        self.journal += self._events.read()
+        for r in sorted(new, key=lambda r: r["time"]):
+            self.latest_step = max(self.latest_step, r["step"] + 1)
+            self.world_size = r["world_size"]
+        return new
+
+    def newest(self, rank: int) -> dict | None:
+        """The most recent sample record of any process that holds `rank` in its latest record."""
+        last = [recs[-1] for recs in self.processes.values() if recs[-1]["rank"] == rank]
+        return max(last, key=lambda r: r["time"], default=None)
