@@ -102,6 +102,26 @@ class TrainConfig:
         """The fields a checkpoint must agree on; paths, logging and timeouts are free to change."""
         return {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
 
+    def to_argv(self) -> list[str]:
+        """Flags that rebuild this config through parse_args (the inverse of build_parser): each field
+        that differs from its default as --flag=value (booleans as --flag / --no-flag). `=` keeps a
+        value that starts with '-' or is empty from being read as the next flag."""
+        defaults, argv = type(self)(), []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(defaults, f.name):
+                continue
+            if isinstance(value, bool):
+                argv.append(flag_name(f.name) if value else flag_name("no_" + f.name))
+            else:
+                argv.append(f"{flag_name(f.name)}={value}")
+        return argv
+
+
+def flag_name(field_name: str) -> str:
+    """A config field's command-line flag: checkpoint_dir -> --checkpoint-dir."""
+    return "--" + field_name.replace("_", "-")
+
 
 # `dataset` is added by the trainer (training-set size and label hash), so a checkpoint trained on
 # another data set is refused too.
@@ -124,7 +144,7 @@ def build_parser(cls: type = TrainConfig, prog: str = "elastic-mnist train") -> 
     docs = field_docs(cls)
     defaults = cls()
     for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         default = getattr(defaults, f.name)
         help_ = f"{docs.get(f.name, '')} (default: {default!r})"
         if isinstance(default, bool):

@@ -11,6 +11,7 @@ everything (nodes, workers, etcd) and exits non-zero.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -18,12 +19,13 @@ import signal
 import sys
 import time
 
-from elastic_mnist import chaos, torchrun_settings
-from elastic_mnist.config import parse_args as parse_train_args
+from elastic_mnist import chaos, config as train_config, torchrun_settings
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
 from elastic_mnist.live import LiveView
+from elastic_mnist.nodes import Node
+from elastic_mnist.procs import alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
-from elastic_mnist.nodes import Node, alive, torchrun_command
 
 POLL_S = 0.1
 
@@ -45,27 +47,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str]):
+def given_fields(train_argv: list[str]) -> set[str]:
+    """The TrainConfig fields the user set on the command line, however spelled (--x=v, --x v, --no-x):
+    argparse itself answers, with every default replaced by a marker no flag can produce."""
+    unset = object()  # not argparse.SUPPRESS: argparse would run a string default through the flag's type
+    parser = train_config.build_parser()
+    parser.set_defaults(**{f.name: unset for f in dataclasses.fields(TrainConfig)})
+    return {name for name, value in vars(parser.parse_args(train_argv)).items() if value is not unset}
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], list[chaos.Fault]]:
+    """(launcher flags, the train config every node shares, the fields the user set, the fault schedule)."""
     args, train_argv = build_parser().parse_known_args(argv)
     if not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
-    config = parse_train_args(train_argv)  # fail fast on a bad train flag, before anything starts
-    defaults = {"--log-dir": "tensorboard", "--sample-log": "samples"}
+    config = train_config.parse_args(train_argv)  # fail fast on a bad train flag, before anything starts
+    given = given_fields(train_argv)
+    # Everything a run writes goes under its run dir unless the user chose otherwise.
+    fills = {"log_dir": "tensorboard", "sample_log": "samples"}
     if config.checkpoint_storage == "shared":
-        defaults["--checkpoint-dir"] = "checkpoints"
-    for flag, sub in defaults.items():
-        if flag not in train_argv:
-            train_argv += [flag, os.path.join(args.run_dir, sub)]
-    config = parse_train_args(train_argv)
+        fills["checkpoint_dir"] = "checkpoints"
+    config = dataclasses.replace(config, **{name: os.path.join(args.run_dir, sub)
+                                            for name, sub in fills.items() if name not in given})
     config.check_world_size(args.max_nodes * args.nproc_per_node)
-    return args, train_argv, config, chaos.parse_schedule(args.chaos)
+    return args, config, given, chaos.parse_schedule(args.chaos)
 
 
 class Launcher:
-    def __init__(self, args, train_argv: list[str], config, faults: list[chaos.Fault]):
-        self.args, self.train_argv, self.config, self.faults = args, train_argv, config, faults
+    def __init__(self, args, config: TrainConfig, given: set[str], faults: list[chaos.Fault]):
+        self.args, self.config, self.given, self.faults = args, config, given, faults
         self.run_id = f"local-{os.getpid()}-{int(time.time())}"  # a closed rendezvous id cannot be reused
         self.nodes: dict[str, Node] = {}
         self.events: list[chaos.Event] = []
@@ -82,23 +94,22 @@ class Launcher:
         name = f"n{len(self.nodes)}"
         targs = torchrun_settings.torchrun_args(self.args.rdzv_backend, self.etcd.endpoint, self.run_id,
                                                 self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.setdefault("OMP_NUM_THREADS", "1")  # N nodes share this machine's cores
-        env.setdefault("LOGLEVEL", "INFO")  # torchrun's rendezvous decisions, in the node logs
-        node = Node(name, torchrun_command(targs, self.train_argv + self._node_args(name)), env, self.args.run_dir)
+        # torchrun's rendezvous decisions (INFO) go to the node logs unless the user chose a level.
+        env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"))
+        node = Node(name, torchrun_command(targs, self.node_config(name).to_argv()), env, self.args.run_dir)
         node.start()
         self.nodes[name] = node
         return node
 
-    def _node_args(self, name: str) -> list[str]:
+    def node_config(self, name: str) -> TrainConfig:
         """What differs between simulated machines: their memory (snapshots) and, with node-local
-        storage, their disks."""
-        extra = []
-        if "--snapshot-dir" not in self.train_argv:
-            extra += ["--snapshot-dir", os.path.join(self.shm_root, name)]
-        if self.config.checkpoint_storage == "local" and "--checkpoint-dir" not in self.train_argv:
-            extra += ["--checkpoint-dir", os.path.join(self.args.run_dir, "nodes", name, "checkpoints")]
-        return extra
+        storage, their disks; a directory the user set is shared by every node."""
+        own = {}
+        if "snapshot_dir" not in self.given:
+            own["snapshot_dir"] = os.path.join(self.shm_root, name)
+        if self.config.checkpoint_storage == "local" and "checkpoint_dir" not in self.given:
+            own["checkpoint_dir"] = os.path.join(self.args.run_dir, "nodes", name, "checkpoints")
+        return dataclasses.replace(self.config, **own)
 
     def _resolve(self, name: str):
         """A node by name, or `rank0`: the node whose process tree runs the newest rank-0 worker."""
@@ -221,8 +232,7 @@ class Launcher:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, train_argv, config, faults = parse(list(sys.argv[1:] if argv is None else argv))
-    launcher = Launcher(args, train_argv, config, faults)
+    launcher = Launcher(*parse(list(sys.argv[1:] if argv is None else argv)))
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt  # unwinds through run()'s finally: nodes and etcd are stopped

@@ -10,33 +10,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass, field
 
-from elastic_mnist.procs import die_with_parent_preexec
-
-
-def children() -> dict[int, list[int]]:
-    """ppid → pids for every live process (from /proc)."""
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            tree.setdefault(ppid, []).append(int(entry))
-    return tree
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from elastic_mnist.procs import alive, descendants, die_with_parent_preexec
 
 
 @dataclass
@@ -73,12 +49,7 @@ class Node:
         """The agent and its live descendants (workers run in sessions of their own)."""
         if self.proc is None:
             return []
-        tree, out, todo = children(), [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            if alive(pid):
-                out.append(pid)
-            todo += tree.get(pid, [])
+        out = descendants(self.proc.pid)
         self.seen_pids.update(out)
         return out
 
@@ -130,6 +101,3 @@ def _safe_pgid(pid: int) -> bool:
     except ProcessLookupError:
         return False
 
-
-def torchrun_command(torchrun_args: list[str], train_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elastic_mnist.train", *train_args]
