@@ -4,12 +4,14 @@
 
 File `ckpt-{step:09d}.pt` = 8-byte magic, u32 format version, sha256 of the payload, then the payload
 (torch.save of a dict of tensors and plain values, loaded with weights_only=True). Written to a temp
-file, fsynced, then hard-linked into place: a name, once it exists, always holds a complete, verified
-file, and a late writer (a node that woke from a freeze) can never replace it.
+file, fsynced, then published under its name without replacing an existing one (a hard link, or
+elastic_mnist.publish's fallback on filesystems without them): a name, once it exists, always holds a
+complete, verified file, and a late writer (a node that woke from a freeze) can never replace it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -23,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from elastic_mnist import publish
 from elastic_mnist.errors import UserError
 
 MAGIC = b"EMNISTCK"
@@ -76,30 +79,23 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
 
 
 def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
-    """Write data at path atomically; unless replace, False (and nothing written) if path exists."""
+    """Write data at path atomically; unless replace, False (and nothing written) if path exists.
+
+    The data is complete and fsynced under a temporary name before the final name appears, so a
+    reader never sees a half-written file under it. Without replace, the publish step is the
+    directory's no-clobber method (elastic_mnist.publish): a late writer never replaces a file
+    another writer completed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = publish.write_temp(directory, os.path.basename(path), data)
     try:
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # unlike os.replace, never clobbers a file another writer completed
-    except FileExistsError:
-        return False
+        published = publish.publish(tmp, path, replace)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return True
+    if published:
+        publish.fsync_dir(directory)
+    return published
 
 
 def iter_valid(directory: str, warn: Callable[[str], None] = print):
@@ -131,16 +127,28 @@ def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
             "flags, or a different --checkpoint-dir for a new run (nothing was deleted)")
 
 
-def ensure_writable(directory: str) -> None:
+def ensure_writable(directory: str) -> str:
+    """Create the directory and exercise the real publish step there; the method it uses.
+
+    A probe file is published exactly as a checkpoint is (no-clobber), a second publish under the
+    same name must be refused, and both are removed: a filesystem that cannot do this fails here,
+    naming the cause, rather than at the first save."""
+    probe = os.path.join(directory, f".write-probe-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-probe-{os.getpid()}")
-        with open(probe, "wb"):
-            pass
-        os.unlink(probe)
+        try:
+            if not write_durable(probe, b"first") or write_durable(probe, b"second"):
+                raise OSError(errno.EIO, "a second publish under one name was not refused")
+            with open(probe, "rb") as f:
+                if f.read() != b"first":
+                    raise OSError(errno.EIO, "a published file was overwritten")
+        finally:
+            if os.path.lexists(probe):
+                os.unlink(probe)
     except OSError as e:
-        raise UserError(f"checkpoint dir {directory} is not writable ({e.strerror}); fix its permissions "
-                        "or pass another --checkpoint-dir") from None
+        raise UserError(f"checkpoint dir {directory} is not writable ({e.strerror or e}); fix its "
+                        "permissions or storage class, or pass another --checkpoint-dir") from None
+    return publish.method_of(directory)
 
 
 def prune(directory: str, keep: int) -> list[str]:
@@ -239,3 +247,21 @@ class CheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error
+
+
+FINISHED_FILE = "finished.json"
+
+
+def write_finished(directory: str, record: dict) -> None:
+    """Rank 0 marks the job complete; a node or pod that arrives later reads it and exits 0."""
+    write_durable(os.path.join(directory, FINISHED_FILE), json.dumps(record).encode(), replace=True)
+
+
+def read_finished(directory: str) -> dict | None:
+    """The completion record ({"step", "total_steps", "test_accuracy", "run_id", "time"}), or None."""
+    try:
+        with open(os.path.join(directory, FINISHED_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
