@@ -1,5 +1,5 @@
 """Where a checkpoint's cost goes, measured in one process with the trainer's own code: the snapshot
-that blocks training (Trainer.state), the background work (encode = torch.save + sha256, then the
+that blocks training (CheckpointManager.capture), the background work (encode = torch.save + sha256, then the
 durable write), and how much slower training steps run while that background write is in flight.
 
     python -m bench.save_cost --data-dir ../shared/data --saves 10
@@ -28,7 +28,9 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.data import load_split
 from elastic_mnist.metrics import Metrics
 from elastic_mnist.model import build_model
-from elastic_mnist.trainer import Progress, Trainer
+from elastic_mnist.checkpoints import CheckpointManager
+from elastic_mnist.distributed import DistEnv
+from elastic_mnist.trainer import Reporting, Trainer
 
 
 def _trainer(data_dir: str, work: str) -> Trainer:
@@ -36,7 +38,9 @@ def _trainer(data_dir: str, work: str) -> Trainer:
     model = build_model(config.hidden, config.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     train, test = load_split(data_dir, True), load_split(data_dir, False)
-    return Trainer(config, 0, 1, model, optimizer, train, test, Metrics(1, work), Progress())
+    metrics = Metrics(1, work)
+    manager = CheckpointManager(config, DistEnv(rank=1), metrics, {})  # measures only: this rank never writes
+    return Trainer(config, DistEnv(), model, optimizer, (train, test), manager, Reporting(metrics))
 
 
 def _step(trainer: Trainer) -> float:
@@ -69,9 +73,9 @@ def measure(data_dir: str, saves: int, interval: int, where: str | None = None) 
 def _measure(trainer: Trainer, work: str, saves: int, interval: int) -> dict:
     for _ in range(20):  # Adam state exists and the allocator is warm, as mid-run
         _step(trainer)
-    state = trainer.state()
+    state = trainer.checkpoints.capture()
     blob = encode(state)
-    state_ms, state_cpu = _timed(trainer.state, saves)
+    state_ms, state_cpu = _timed(trainer.checkpoints.capture, saves)
     encode_ms, encode_cpu = _timed(lambda: encode(state), saves)
     write_ms, write_cpu = _timed(lambda: write_durable(f"{work}/probe-{time.perf_counter_ns()}", blob), saves)
     writer, alone, overlapped, per_save, blocks = CheckpointWriter(work, keep=2), [], [], [], []
@@ -79,7 +83,7 @@ def _measure(trainer: Trainer, work: str, saves: int, interval: int) -> dict:
         # A baseline right before each save: the shared machine's load drifts, so compare like with like.
         baseline = [_step(trainer) for _ in range(20)]
         t0 = time.perf_counter()
-        writer.save(trainer.state(), 10_000 + i)
+        writer.save(trainer.checkpoints.capture(), 10_000 + i)
         blocked = (time.perf_counter() - t0) * 1000
         blocks.append(blocked)
         during = []
@@ -117,9 +121,9 @@ def _behind_another_write(trainer: Trainer, work: str, saves: int) -> float:
     a snapshot step and a checkpoint step: the snapshot goes first)."""
     first, second, calls = CheckpointWriter(f"{work}/a", keep=2), CheckpointWriter(f"{work}/b", keep=2), []
     for i in range(saves):
-        first.save(trainer.state(), 20_000 + i)
+        first.save(trainer.checkpoints.capture(), 20_000 + i)
         t0 = time.perf_counter()
-        second.save(trainer.state(), 20_000 + i)
+        second.save(trainer.checkpoints.capture(), 20_000 + i)
         calls.append((time.perf_counter() - t0) * 1000)
         first.wait()
         second.wait()

@@ -60,6 +60,10 @@ class TrainConfig:
     """Snapshot the training state into --snapshot-dir every this many steps (0: off)."""
     snapshot_dir: str = field(default_factory=lambda: "/dev/shm/elastic-mnist" if os.path.isdir("/dev/shm") else "")
     """Memory that outlives the worker process (tmpfs), for in-memory snapshots; empty: off."""
+    snapshot_max_age_h: float = 6.0
+    """At start, remove other runs' snapshots in --snapshot-dir not written for this many hours."""
+    snapshot_cap_mb: int = 2048
+    """At start, remove other runs' snapshots, oldest first, until --snapshot-dir holds at most this (0: no cap)."""
     sample_log: str = ""
     """Directory for per-rank JSONL logs of the dataset indices used at every step (empty: off)."""
     log_every: int = 50
@@ -84,6 +88,8 @@ class TrainConfig:
             raise UserError("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
         if self.checkpoint_storage not in ("shared", "local"):
             raise UserError(f"--checkpoint-storage must be shared or local, got {self.checkpoint_storage!r}")
+        if self.snapshot_max_age_h < 0 or self.snapshot_cap_mb < 0:
+            raise UserError("--snapshot-max-age-h and --snapshot-cap-mb must be >= 0")
         if self.snapshot_every < 0:
             raise UserError(f"--snapshot-every must be >= 0 (0 = off), got {self.snapshot_every}")
         if self.log_every < 1 or self.min_step_time < 0:

@@ -12,10 +12,8 @@ size alike; each epoch's permutation differs, so no sample is dropped every epoc
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,34 +156,3 @@ class BatchPlan:
     def rank_indices(self, global_step: int, world_size: int, rank: int) -> torch.Tensor:
         start, end = shard_bounds(self.global_batch_size, world_size, rank)
         return self.global_indices(global_step)[start:end]
-
-
-class SampleLog:
-    """One JSONL file per rank and (re)start: the dataset indices each optimizer step used."""
-
-    def __init__(self, directory: str, rank: int, world_size: int, restart: int):
-        os.makedirs(os.path.join(directory, "events"), exist_ok=True)
-        name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
-        self._file = open(os.path.join(directory, name), "a", buffering=1)
-        # Beside the indices: start-up phases, evaluations, stops and failures, for the launcher's report.
-        self._events = open(os.path.join(directory, "events", name), "a", buffering=1)
-        self._fixed = {"rank": rank, "world_size": world_size, "restart": restart}
-
-    def write(self, step: int, epoch: int, indices: torch.Tensor) -> None:
-        record = {"step": step, "epoch": epoch, **self._fixed, "time": time.time(), "indices": indices.tolist()}
-        self._file.write(json.dumps(record) + "\n")
-
-    def event(self, kind: str, **fields) -> None:
-        self._events.write(json.dumps({"event": kind, **self._fixed, "time": time.time(), **fields}) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
-        self._events.close()
-
-
-def read_sample_logs(directory: str) -> list[dict]:
-    """Every record of every file in a sample-log directory (for tests and the launcher's report)."""
-    records = []
-    for path in sorted(Path(directory).glob("*.jsonl")):  # events/ holds the other journal
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records

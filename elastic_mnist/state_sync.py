@@ -51,8 +51,10 @@ def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn) -> Ca
 
 def agree_errors(error: str | None, world_size: int) -> None:
     """Every rank raises the same UserError if any rank found bad input; nobody is left in a collective."""
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error)
+    errors = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
         raise UserError(first)
@@ -60,8 +62,10 @@ def agree_errors(error: str | None, world_size: int) -> None:
 
 def agree_on_state(mine: Candidate | None, rank: int, world_size: int) -> tuple[Candidate | None, int, list[int]]:
     """(the newest state, the rank that had it, the ranks it was sent to)."""
-    offers = [None] * world_size
-    dist.all_gather_object(offers, (mine.step, mine.digest) if mine else (-1, ""))
+    offers = [(mine.step, mine.digest) if mine else (-1, "")]
+    if world_size > 1:  # a lone process has nobody to agree with (and may have no process group)
+        offers = [None] * world_size
+        dist.all_gather_object(offers, (mine.step, mine.digest) if mine else (-1, ""))
     best = max(step for step, _ in offers)
     if best < 0:
         return None, -1, []

@@ -1,12 +1,15 @@
-"""The training loop: world-size-invariant batches, loss weighting for uneven shares, periodic and
-on-demand checkpoints, epoch-end evaluation. Built by elastic_mnist.train; knows nothing of etcd.
+"""The training loop: world-size-invariant batches, loss weighting for uneven shares, the per-step
+agreement, epoch-end evaluation. Built by elastic_mnist.train; knows nothing of etcd, and asks the
+checkpoint manager (checkpoints.py) what to save instead of assembling checkpoints itself.
 
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -15,83 +18,77 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from elastic_mnist.checkpoint import CheckpointWriter
+from elastic_mnist.checkpoints import CheckpointManager
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data import BatchPlan, SampleLog, Split, shard_bounds
-from elastic_mnist.metrics import Metrics, Throughput, percentile, process_age_s
+from elastic_mnist.data import BatchPlan, Split, shard_bounds
+from elastic_mnist.distributed import DistEnv
+from elastic_mnist.metrics import Metrics, Throughput, process_age_s
+from elastic_mnist.runlog import RunLog
+
+EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
 
 
 class StopRequest:
-    """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) asks the
-    whole group to checkpoint at the next step boundary and leave; a second signal is not caught."""
+    """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) or SIGHUP
+    (our torchrun agent died: the parent-death signal) asks the whole group to checkpoint at the next
+    step boundary and leave; a second signal of the same kind is not caught.
 
-    def __init__(self) -> None:
+    Without an agent nobody supervises this worker, so after `orphan_grace_s` it exits however far the
+    agreement got: a worker never trains on alone."""
+
+    def __init__(self, orphan_grace_s: float = 0.0) -> None:
         self.signum: int | None = None
+        self.orphan_grace_s = orphan_grace_s
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
         self.signum = signum
         signal.signal(signum, signal.SIG_DFL)
+        if signum == signal.SIGHUP and self.orphan_grace_s:
+            timer = threading.Timer(self.orphan_grace_s, os._exit, args=(EXIT_UNSUPERVISED,))
+            timer.daemon = True
+            timer.start()
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
+    @property
+    def orphaned(self) -> bool:
+        return self.signum == signal.SIGHUP
+
 
 @dataclass
-class Progress:
-    """What survives restarts inside the checkpoint besides model and optimizer."""
+class Reporting:
+    """Where a trainer reports: rank-0 output and TensorBoard, the run log, start-up phase times."""
 
-    step: int = 0
-    resumes: int = 0
-    train_time_s: float = 0.0
-    samples_per_s: float = 0.0
-    """Steady-state throughput of the latest (re)start that trained enough steps to measure it."""
-    last_eval: dict = field(default_factory=dict)
-
-
-def cpu_snapshot(obj):
-    """Deep copy of tensors to CPU so a background thread can serialize while training mutates them."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: cpu_snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_snapshot(v) for v in obj)
-    return obj
+    metrics: Metrics
+    runlog: RunLog | None = None
+    startup_marks: dict = field(default_factory=dict)
+    """Unix times of start-up phases (process start, imports, group, data, resume) for the journal."""
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, rank: int, world_size: int, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, train: Split, test: Split, metrics: Metrics,
-                 progress: Progress, writer: CheckpointWriter | None = None, sample_log: SampleLog | None = None,
-                 stop: StopRequest | None = None, restart_count: int = 0, fingerprint: dict | None = None,
-                 run_id: str = "local", startup_marks: dict | None = None, fence=None,
-                 snapshots: CheckpointWriter | None = None, origin: dict | None = None):
-        self.config, self.rank, self.world_size = config, rank, world_size
+    def __init__(self, config: TrainConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 data: tuple[Split, Split], checkpoints: CheckpointManager, report: Reporting,
+                 stop: StopRequest | None = None):
+        self.config, self.env, self.rank, self.world_size = config, env, env.rank, env.world_size
         self.model = model
-        self.ddp = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
-        self.optimizer, self.train_split, self.test_split = optimizer, train, test
-        self.metrics, self.progress, self.writer = metrics, progress, writer
-        self.sample_log, self.stop = sample_log, stop or StopRequest()
-        self.restart_count, self.fingerprint, self.run_id = restart_count, fingerprint or {}, run_id
-        self.plan = BatchPlan(len(train), config.global_batch_size, config.seed)
+        self.ddp = nn.parallel.DistributedDataParallel(model) if env.world_size > 1 else model
+        self.optimizer, (self.train_split, self.test_split) = optimizer, data
+        self.checkpoints, self.report, self.metrics = checkpoints, report, report.metrics
+        self.stop = stop or StopRequest()
+        self.plan = BatchPlan(len(self.train_split), config.global_batch_size, config.seed)
+        checkpoints.attach(model, optimizer, self.plan.steps_per_epoch)
+        self.progress = checkpoints.progress
         epochs_steps = config.epochs * self.plan.steps_per_epoch
         self.total_steps = min(epochs_steps, config.max_steps) if config.max_steps else epochs_steps
         self.device = next(model.parameters()).device
         self.throughput = Throughput()
-        self.startup_marks = startup_marks or {}
-        """Unix times of start-up phases (process start, imports, group, data, resume) for the journal."""
-        self.stopped_early = False
-        self.fence = fence
-        self.snapshots, self.origin = snapshots, origin or {}
-        """In-memory snapshots (tmpfs) every --snapshot-every steps; origin tells them from other jobs'."""
-        self.snapshot_block_ms: list[float] = []
-        """Rank 0's check that this group still owns the checkpoint dir (see checkpoint.claim_generation)."""
-        self.superseded = False
+        self.stopped_early = self.superseded = False
 
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,71 +125,66 @@ class Trainer:
             # Counted at once: from here on, model, optimizer and step agree, so a failure in any later
             # collective still leaves a consistent state to save (save_on_failure).
             self.progress.step += 1
-            if self.sample_log is not None:
-                self.sample_log.write(self.progress.step - 1, self.plan.position(self.progress.step - 1)[0], idx)
+            if self.report.runlog is not None:
+                self.report.runlog.step(self.progress.step - 1, self.plan.position(self.progress.step - 1)[0], idx)
             loss, stop = self._agree(loss_sum)
             self.progress.train_time_s += time.perf_counter() - t0
             self.progress.samples_per_s = self.throughput.rate() or self.progress.samples_per_s
             self._after_step(loss, first=self.progress.step == start_step + 1)
             if stop:
-                self.stopped_early = True
-                why = "superseded by a newer group" if self.superseded else "stop requested"
-                self.metrics.print0(f"[stop] {why}; leaving at step {self.progress.step}")
-                self._journal("stop", step=self.progress.step, signalled=self.stop.requested,
-                              superseded=self.superseded)
+                self._leave()
                 break
             self._pace(t0)
         return self._finish()
 
+    def _leave(self) -> None:
+        self.stopped_early = True
+        why = ("superseded by a newer group" if self.superseded else
+               "our torchrun agent died" if self.stop.orphaned else "stop requested")
+        self.metrics.print0(f"[stop] {why}; leaving at step {self.progress.step}")
+        self._journal("stop", step=self.progress.step, signalled=self.stop.requested, superseded=self.superseded,
+                      orphaned=self.stop.orphaned)
+
     def _after_step(self, loss: float, first: bool) -> None:
-        step, plan, cfg = self.progress.step, self.plan, self.config
-        epoch, _ = plan.position(step - 1)
+        step, cfg = self.progress.step, self.config
         self.throughput.step(cfg.global_batch_size)
         if first:
             self._report_first_step()
         if step % cfg.log_every == 0 or step == self.total_steps:
-            self._log_progress(step, epoch, loss)
-        epoch_end = step % plan.steps_per_epoch == 0
+            self._log_progress(step, self.plan.position(step - 1)[0], loss)
+        epoch_end = step % self.plan.steps_per_epoch == 0
         if epoch_end:
             self.evaluate()
-        checkpoint_due = epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-        if self.snapshots is not None and step % cfg.snapshot_every == 0 and not checkpoint_due:
-            t0 = time.perf_counter()  # a checkpoint of the same step would make the snapshot redundant
-            self.snapshots.save(self.state(), step)
-            self.snapshot_block_ms.append((time.perf_counter() - t0) * 1000)
-        if self.writer is not None and checkpoint_due:
-            if self.fence is not None and not self.fence():
-                self.superseded = True  # agreed at the next step; a stale group must not write
-                self.metrics.warn(f"a newer group owns {cfg.checkpoint_dir}; this one stops to rejoin it")
-            else:
-                self.save()
+        if self.checkpoints.after_step(epoch_end):
+            self.superseded = True  # agreed at the next step; a stale group must not write
 
     def _journal(self, kind: str, **fields) -> None:
-        if self.sample_log is not None:
-            self.sample_log.event(kind, **fields)
+        if self.report.runlog is not None:
+            self.report.runlog.event(kind, **fields)
 
     def _report_first_step(self) -> None:
         age = process_age_s()
-        self._journal("startup", step=self.progress.step, phases={**self.startup_marks, "first_step": time.time()})
+        self._journal("startup", step=self.progress.step,
+                      phases={**self.report.startup_marks, "first_step": time.time()})
         self.metrics.print0(f"[first-step] step {self.progress.step} done {age:.2f}s after process start "
-                            f"(world {self.world_size}, restart {self.restart_count})")
+                            f"(world {self.world_size}, restart {self.env.restart_count})")
         self.metrics.scalars(self.progress.step, {"elastic/start_to_first_step_s": age})
 
     def _log_progress(self, step: int, epoch: int, loss: float) -> None:
         rate = self.throughput.rate()
         self.metrics.print0(
             f"[train] epoch {epoch + 1}/{self.config.epochs} step {step}/{self.total_steps} loss {loss:.4f} "
-            f"world {self.world_size} restart {self.restart_count} samples/s {rate:.0f}")
+            f"world {self.world_size} restart {self.env.restart_count} samples/s {rate:.0f}")
         self.metrics.scalars(step, {
             "train/loss": loss, "train/lr": self.optimizer.param_groups[0]["lr"], "train/samples_per_s": rate,
-            "elastic/world_size": self.world_size, "elastic/restarts": self.restart_count})
+            "elastic/world_size": self.world_size, "elastic/restarts": self.env.restart_count})
 
     def _pace(self, t0: float) -> None:
         remaining = self.config.min_step_time - (time.perf_counter() - t0)
         if remaining > 0:
             time.sleep(remaining)
 
-    # -- evaluation and checkpoints -------------------------------------------------------------------
+    # -- evaluation and leaving -------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Test loss/accuracy, each rank scoring its contiguous shard, summed over ranks."""
@@ -215,67 +207,26 @@ class Trainer:
         self.metrics.scalars(step, {"test/loss": result["test_loss"], "test/accuracy": result["test_accuracy"]})
         return result
 
-    def state(self) -> dict:
-        epoch, position = self.plan.position(self.progress.step)
-        return cpu_snapshot({
-            "step": self.progress.step, "epoch": epoch, "position": position,
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
-            "config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.world_size,
-            "run_id": self.run_id, "origin": self.origin, "saved_at": time.time(),
-            "progress": {"resumes": self.progress.resumes, "train_time_s": self.progress.train_time_s,
-                         "samples_per_s": self.progress.samples_per_s, "last_eval": self.progress.last_eval},
-        })
-
-    def save(self, block: bool = False) -> None:
-        """Rank 0 snapshots and hands the write to a thread; only the snapshot blocks training."""
-        if self.writer is None:
-            return
-        t0 = time.perf_counter()
-        self.writer.save(self.state(), self.progress.step, block=block)
-        if not block:  # a blocking save happens only when leaving, not while training
-            block_ms = (time.perf_counter() - t0) * 1000
-            self.writer.block_ms.append(block_ms)
-            self.metrics.scalars(self.progress.step, {"checkpoint/block_ms": block_ms})
-
     def save_on_failure(self) -> str:
-        """A peer died mid-step: this rank still holds the state of its last completed step, so any
-        survivor may persist it. The no-overwrite rename makes the first survivor's copy win."""
-        if self.writer is not None:
-            try:
-                self.writer.wait()
-            except RuntimeError as e:
-                self.metrics.warn(f"in-flight checkpoint write failed: {e}")
+        """A peer died mid-step: persist the state of this rank's last completed step."""
         self._journal("collective_failed", step=self.progress.step)
-        writer = CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints)
-        writer.save(self.state(), self.progress.step, block=True)
-        return writer.last_path or "already saved by another survivor"
+        return self.checkpoints.save_on_failure()
 
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
             self.evaluate()
-        if not self.superseded:
-            self.save(block=True)
-        elif self.writer is not None:
-            self.writer.wait()  # an earlier save still in flight is ours to finish
+        self.checkpoints.finish(superseded=self.superseded)
         if self.world_size > 1:
             dist.barrier()  # nobody restarts and reads before rank 0's final write is durable
         return self.summary()
 
     def summary(self) -> dict:
-        block = self.writer.block_ms if self.writer else []
         return {
             "global_step": self.progress.step, "total_steps": self.total_steps,
             "epochs_completed": self.progress.step // self.plan.steps_per_epoch,
             "world_size": self.world_size, "test_accuracy": self.progress.last_eval.get("test_accuracy"),
             "test_loss": self.progress.last_eval.get("test_loss"), "samples_per_s": self.progress.samples_per_s,
             "train_time_s": self.progress.train_time_s, "restarts": self.progress.resumes,
-            "torchrun_restart_count": self.restart_count, "stopped_early": self.stopped_early,
-            "checkpoints_saved": self.writer.saved if self.writer else 0,
-            "checkpoint_block_ms_mean": sum(block) / len(block) if block else 0.0,
-            "checkpoint_block_ms_p50": percentile(block, 50), "checkpoint_block_ms_p95": percentile(block, 95),
-            "checkpoint_block_ms_max": max(block) if block else 0.0,
-            "step_ms_median": self.throughput.median_step_ms(),
-            "snapshots_taken": len(self.snapshot_block_ms),
-            "snapshot_block_ms_p50": percentile(self.snapshot_block_ms, 50),
+            "torchrun_restart_count": self.env.restart_count, "stopped_early": self.stopped_early,
+            "step_ms_median": self.throughput.median_step_ms(), **self.checkpoints.stats(),
         }

@@ -11,7 +11,9 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.data import Split
 from elastic_mnist.metrics import Metrics
 from elastic_mnist.model import build_model
-from elastic_mnist.trainer import Progress, Trainer
+from elastic_mnist.checkpoints import CheckpointManager
+from elastic_mnist.distributed import DistEnv
+from elastic_mnist.trainer import Reporting, Trainer
 
 
 def _split(n: int = 600) -> Split:
@@ -20,10 +22,11 @@ def _split(n: int = 600) -> Split:
 
 
 def _grads(rank: int, world: int, step: int) -> list[torch.Tensor]:
-    config = TrainConfig(global_batch_size=128, log_dir="unused")
-    model = build_model(config.hidden, config.seed)
-    trainer = Trainer(config, rank, world, model, torch.optim.Adam(model.parameters()), _split(), _split(50),
-                      Metrics(rank, "unused"), Progress())
+    config = TrainConfig(global_batch_size=128, log_dir="")
+    model, env, metrics = build_model(config.hidden, config.seed), DistEnv(rank=rank, world_size=world), Metrics(rank, "")
+    manager = CheckpointManager(config, DistEnv(rank=1), metrics, {})  # rank 1 of shared storage: writes nothing
+    trainer = Trainer(config, env, model, torch.optim.Adam(model.parameters()), (_split(), _split(50)), manager,
+                      Reporting(metrics))
     trainer.forward_backward(step)
     return [p.grad.clone() for p in model.parameters()]
 

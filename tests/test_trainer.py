@@ -5,24 +5,26 @@ import signal
 import torch
 
 from elastic_mnist import checkpoint
-from elastic_mnist.checkpoint import CheckpointWriter
+from elastic_mnist.checkpoints import CheckpointManager
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data import Split
+from elastic_mnist.distributed import DistEnv
 from elastic_mnist.metrics import Metrics
 from elastic_mnist.model import build_model
-from elastic_mnist.trainer import Progress, StopRequest, Trainer
+from elastic_mnist.trainer import Reporting, StopRequest, Trainer
 
 
-def _trainer(tmp_path, **kwargs) -> Trainer:
+def _trainer(tmp_path, stop: StopRequest | None = None) -> Trainer:
     gen = torch.Generator().manual_seed(0)
     train = Split(torch.randn(640, 784, generator=gen), torch.randint(0, 10, (640,), generator=gen))
     test = Split(torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen))
     config = TrainConfig(global_batch_size=32, max_steps=40, checkpoint_every=5, log_dir=str(tmp_path / "runs"),
-                         checkpoint_dir=str(tmp_path / "ckpt"), log_every=1000)
+                         checkpoint_dir=str(tmp_path / "ckpt"), log_every=1000, keep_checkpoints=10)
     model = build_model(config.hidden, config.seed)
-    writer = CheckpointWriter(config.checkpoint_dir, keep=10)
-    return Trainer(config, 0, 1, model, torch.optim.Adam(model.parameters()), train, test, Metrics(0, config.log_dir),
-                   Progress(), writer=writer, **kwargs)
+    metrics, optimizer = Metrics(0, config.log_dir), torch.optim.Adam(model.parameters())
+    manager = CheckpointManager(config, DistEnv(), metrics, config.fingerprint())
+    manager.restore(model, optimizer, len(train) // config.global_batch_size)
+    return Trainer(config, DistEnv(), model, optimizer, (train, test), manager, Reporting(metrics), stop)
 
 
 def test_stop_request_checkpoints_at_the_next_step_boundary(tmp_path):
@@ -42,13 +44,15 @@ def test_stop_request_checkpoints_at_the_next_step_boundary(tmp_path):
 
 
 def test_a_superseded_group_stops_without_writing(tmp_path):
-    calls = []
+    trainer = _trainer(tmp_path)
+    original = trainer.forward_backward
 
-    def fence():
-        calls.append(1)
-        return len(calls) < 2  # a newer group claims the dir before the second save
+    def forward_backward(step):
+        if step == 7:  # a newer group claims the dir between the first and the second save
+            checkpoint.claim_generation(str(tmp_path / "ckpt"), 1)
+        return original(step)
 
-    trainer = _trainer(tmp_path, fence=fence)
+    trainer.forward_backward = forward_backward
     trainer.train()
     assert trainer.superseded and trainer.stopped_early
     assert trainer.progress.step == 11, "stops one step after the save point that found the newer group"

@@ -1,0 +1,207 @@
+"""The one owner of checkpoint policy: what is saved, when, where, who writes, and how it is restored.
+
+    python -m elastic_mnist.train --data-dir ../shared/data --checkpoint-dir ckpt --checkpoint-every 100
+
+Built once per (re)start in train.py; the trainer asks it (`after_step`, `save_on_failure`, `finish`) and
+never assembles a checkpoint itself. It owns the durable writer (--checkpoint-dir), the in-memory
+snapshot writer (--snapshot-dir), the split-brain fence, the snapshots' origin and lifetime, the
+configuration fingerprint, and the save/restore of model, optimizer, progress and RNG. File format,
+verification and publishing live in checkpoint.py; the cross-rank agreement in state_sync.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from elastic_mnist import checkpoint, snapshots, state_sync
+from elastic_mnist.checkpoint import CheckpointWriter
+from elastic_mnist.config import TrainConfig
+from elastic_mnist.distributed import DistEnv
+from elastic_mnist.errors import UserError
+from elastic_mnist.metrics import Metrics, percentile
+
+
+@dataclass
+class Progress:
+    """What survives restarts inside the checkpoint besides model and optimizer."""
+
+    step: int = 0
+    resumes: int = 0
+    train_time_s: float = 0.0
+    samples_per_s: float = 0.0
+    """Steady-state throughput of the latest (re)start that trained enough steps to measure it."""
+    last_eval: dict = field(default_factory=dict)
+
+
+def cpu_snapshot(obj):
+    """Deep copy of tensors to CPU so a background thread can serialize while training mutates them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_snapshot(v) for v in obj)
+    return obj
+
+
+class CheckpointManager:
+    def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict):
+        self.config, self.env, self.metrics, self.fingerprint = config, env, metrics, fingerprint
+        # Shared storage: global rank 0 writes. Node-local storage: every rank keeps its own copy.
+        self.writes = env.rank == 0 or config.checkpoint_storage == "local"
+        self.snapshot = snapshots.place(config.snapshot_dir, env.run_id, env.local_rank, config.checkpoint_dir,
+                                        enabled=env.launched and config.snapshot_every > 0)
+        self.writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints) if self.writes else None
+        self.snapshots = CheckpointWriter(self.snapshot.directory, keep=2) if self.snapshot.directory else None
+        self._token = ""
+        self.snapshot_block_ms: list[float] = []
+        self.model = self.optimizer = None
+        self.progress = Progress()
+        self.steps_per_epoch = 1
+
+    # -- restore ----------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
+        """The objects whose state this manager saves and restores (safe to repeat)."""
+        self.model, self.optimizer, self.steps_per_epoch = model, optimizer, steps_per_epoch
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Progress:
+        """Collective: every rank offers its newest valid state, the newest wins and is loaded into
+        model and optimizer. A fresh run is the case with no state. Safe to repeat."""
+        self.attach(model, optimizer, steps_per_epoch)
+        self._sweep_snapshots()
+        state, source = self._agree_on_state()
+        if self.env.rank == 0:  # this group now owns the checkpoint dir (see checkpoint.claim_generation)
+            self._token = checkpoint.claim_generation(self.config.checkpoint_dir, self.env.world_size)
+        if state is None:
+            self.metrics.print0(f"[start] fresh run at world size {self.env.world_size} "
+                                f"(no checkpoint in {self.config.checkpoint_dir})")
+            return self.progress
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.progress = Progress(**{**state["progress"], "step": state["step"]})
+        self.progress.resumes += 1
+        self.metrics.print0(
+            f"[resume] step {state['step']} (epoch {state['epoch']}, position {state['position']}) from {source}, "
+            f"saved at world size {state['world_size']}; now world size {self.env.world_size}, "
+            f"torchrun restart {self.env.restart_count}")
+        return self.progress
+
+    def _agree_on_state(self) -> tuple[dict | None, str]:
+        config, env, error, mine = self.config, self.env, None, None
+        try:
+            if self.writes:
+                checkpoint.ensure_writable(config.checkpoint_dir)
+            mine = state_sync.best_local(config.checkpoint_dir, self.snapshot.directory, self.snapshot.origin,
+                                         self.metrics.warn)
+        except UserError as e:
+            error = str(e)
+        state_sync.agree_errors(error, env.world_size)
+        chosen, owner, sent_to = state_sync.agree_on_state(mine, env.rank, env.world_size)
+        if chosen is None:
+            return None, ""
+        state = checkpoint.decode(chosen.blob, chosen.source)  # verifies the checksum of what was sent
+        checkpoint.check_compatible(state, self.fingerprint, chosen.source)
+        if self.writes:
+            state_sync.keep_durable_copy(chosen, config.checkpoint_dir)
+        if sent_to:
+            self.metrics.print0(f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}")
+        return state, chosen.source
+
+    def _sweep_snapshots(self) -> None:
+        if not self.snapshot.directory:
+            return
+        removed = snapshots.sweep(self.config.snapshot_dir, self.snapshot.run_root,
+                                  self.config.snapshot_max_age_h * 3600, self.config.snapshot_cap_mb * 2**20)
+        if removed:
+            self.metrics.print0(f"[snapshots] removed {len(removed)} stale snapshot dir(s) of other runs")
+
+    # -- save -------------------------------------------------------------------------------------
+    def capture(self) -> dict:
+        """The whole training state at the current step, as CPU copies a writer thread may serialize."""
+        step = self.progress.step
+        epoch, position = divmod(step, self.steps_per_epoch)
+        progress = {k: v for k, v in asdict(self.progress).items() if k != "step"}
+        return cpu_snapshot({
+            "step": step, "epoch": epoch, "position": position,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state()}, "progress": progress,
+            "config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.env.world_size,
+            "run_id": self.env.run_id, "origin": self.snapshot.origin, "saved_at": time.time(),
+        })
+
+    def after_step(self, epoch_end: bool) -> bool:
+        """Save what is due at this step; True when a newer group owns the checkpoint dir (this group
+        must stop at the next agreement without writing)."""
+        step, cfg = self.progress.step, self.config
+        checkpoint_due = epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        if self.snapshots is not None and step % cfg.snapshot_every == 0 and not checkpoint_due:
+            t0 = time.perf_counter()  # a checkpoint of the same step would make the snapshot redundant
+            self.snapshots.save(self.capture(), step)
+            self.snapshot_block_ms.append((time.perf_counter() - t0) * 1000)
+        if self.writer is None or not checkpoint_due:
+            return False
+        if self._token and not checkpoint.generation_is(cfg.checkpoint_dir, self._token):
+            self.metrics.warn(f"a newer group owns {cfg.checkpoint_dir}; this one stops to rejoin it")
+            return True
+        self._save(block=False)
+        return False
+
+    def _save(self, block: bool) -> None:
+        t0 = time.perf_counter()
+        self.writer.save(self.capture(), self.progress.step, block=block)
+        if not block:  # a blocking save happens only when leaving, not while training
+            block_ms = (time.perf_counter() - t0) * 1000
+            self.writer.block_ms.append(block_ms)
+            self.metrics.scalars(self.progress.step, {"checkpoint/block_ms": block_ms})
+
+    def save_on_failure(self) -> str:
+        """A peer died mid-step: this rank still holds the state of its last completed step, so any
+        survivor may persist it; the no-clobber publish makes the first survivor's copy win. Not
+        fenced: a newer group only ever holds newer steps, and names never overwrite."""
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except RuntimeError as e:
+                self.metrics.warn(f"in-flight checkpoint write failed: {e}")
+        writer = self.writer or CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints)
+        writer.save(self.capture(), self.progress.step, block=True)
+        return writer.last_path or "already saved by another survivor"
+
+    def finish(self, superseded: bool) -> None:
+        """Leaving the loop (done or stopping): save the last step unless a newer group owns the dir."""
+        if self.writer is None:
+            return
+        if superseded:
+            self.writer.wait()  # an earlier save still in flight is ours to finish
+        else:
+            self._save(block=True)
+
+    def mark_finished(self, summary: dict) -> None:
+        """Training completed: record it for late nodes (and pods) and free this job's snapshots."""
+        if self.env.rank == 0:
+            checkpoint.write_finished(self.config.checkpoint_dir, {
+                "step": summary["global_step"], "total_steps": summary["total_steps"],
+                "test_accuracy": summary["test_accuracy"], "run_id": self.env.run_id, "time": time.time()})
+        self.close()
+        snapshots.remove_own(self.snapshot)
+
+    def close(self) -> None:
+        """Wait for writes in flight (safe to repeat)."""
+        for w in (self.writer, self.snapshots):
+            if w is not None:
+                w.wait()
+
+    def stats(self) -> dict:
+        block = self.writer.block_ms if self.writer else []
+        return {
+            "checkpoints_saved": self.writer.saved if self.writer else 0,
+            "checkpoint_block_ms_mean": sum(block) / len(block) if block else 0.0,
+            "checkpoint_block_ms_p50": percentile(block, 50), "checkpoint_block_ms_p95": percentile(block, 95),
+            "checkpoint_block_ms_max": max(block) if block else 0.0,
+            "snapshots_taken": len(self.snapshot_block_ms),
+            "snapshot_block_ms_p50": percentile(self.snapshot_block_ms, 50),
+        }
