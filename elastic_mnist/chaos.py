@@ -7,6 +7,7 @@ Syntax: comma-separated `KIND[:NODE]@TRIGGER[+cont@TRIGGER]`, TRIGGER = `step=N`
 rank 0 when the fault fires. Kinds: kill (SIGKILL the node's processes: a crashed machine),
 term (SIGTERM to the node's torchrun agent: a spot preemption notice), stop (SIGSTOP: a frozen machine;
 `+cont@...` resumes it), cont, join (start a new node), etcd-restart (stop and restart etcd, same data).
+The report also lists `agent-restart` events: the launcher restarting an agent that exited on its own.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class Event:
     steps_redone: int | None = None
     breakdown: dict | None = None
     notes: list = field(default_factory=list)
+    exit_code: int | None = None
+    """agent-restart only: the code the agent exited with (negative: killed by that signal)."""
 
 
 def account(event: Event, processes: dict[int, list[dict]], journal: list[dict] | None = None) -> None:

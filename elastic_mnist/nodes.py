@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 
 from elastic_mnist.procs import alive, descendants, die_with_parent_preexec
 
+# An agent that exits on its own is started again after 1 s, then 2, 4, ... up to 16 s: a kubelet's
+# CrashLoopBackOff, shortened for one machine (an etcd that is down for a while is not hammered).
+RESTART_BACKOFF_S, RESTART_BACKOFF_CAP_S = 1.0, 16.0
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds to wait before restarting an agent that was restarted `restarts` times before."""
+    return min(RESTART_BACKOFF_CAP_S, RESTART_BACKOFF_S * 2 ** restarts)
+
 
 @dataclass
 class Node:
@@ -25,6 +34,12 @@ class Node:
     seen_pids: set = field(default_factory=set)
     """Every pid this node's process tree ever had (agent and workers): the orphan check's list."""
     exited_at: float | None = None
+    injected: bool = False
+    """The agent's exit was caused by an injected fault (kill, term): such a node stays down."""
+    restarts: int = 0
+    """How often the launcher restarted this node's agent after it exited on its own."""
+    restart_at: float | None = None
+    """When a pending restart is due (after the back-off)."""
 
     def start(self) -> None:
         os.makedirs(os.path.join(self.run_dir, "nodes"), exist_ok=True)
@@ -40,6 +55,12 @@ class Node:
             json.dump(info, f)
         with open(os.path.join(self.run_dir, "nodes", f"{self.name}.pid"), "w") as f:
             f.write(f"{self.proc.pid}\n")
+
+    def restart(self) -> None:
+        """A new agent on the same machine: same name, log (appended), memory and disk, same job id."""
+        self.exited_at = self.restart_at = None
+        self.restarts += 1
+        self.start()
 
     @property
     def log_path(self) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 
 import pytest
 
 from elastic_mnist.config import TrainConfig, parse_args
 from elastic_mnist.errors import UserError
 from elastic_mnist.launcher import Launcher, given_fields, parse
+from elastic_mnist.nodes import Node, restart_delay
+from elastic_mnist.procs import child_env
 
 
 def _config(*argv: str, run_dir) -> TrainConfig:
@@ -70,3 +74,51 @@ def test_bad_launcher_and_train_flags_are_refused_before_anything_starts(tmp_pat
     with pytest.raises(UserError, match="smaller than the world size"):
         parse(["--run-dir", str(tmp_path), "--global-batch-size", "2", "--max-nodes", "4"])
     assert not os.listdir(tmp_path), "nothing was created"
+
+
+def _exited_node(launcher: Launcher, name: str, code: int) -> Node:
+    """A real process standing in for a torchrun agent that exits with `code` by itself."""
+    node = Node(name, [sys.executable, "-c", f"raise SystemExit({code})"], child_env(), launcher.args.run_dir)
+    launcher.nodes[name] = node
+    node.start()
+    node.proc.wait(timeout=60)
+    return node
+
+
+def test_an_agent_that_exits_with_an_error_is_restarted_after_a_growing_backoff(tmp_path):
+    launcher = _launcher(tmp_path)
+    node = _exited_node(launcher, "n0", 3)
+    first_pid = node.proc.pid
+    launcher.supervise(node, now=100.0)
+    (event,) = launcher.events
+    assert (event.kind, event.node, event.exit_code, event.time) == ("agent-restart", "n0", 3, 100.0)
+    launcher.supervise(node, now=100.0 + restart_delay(0) / 2)
+    assert node.proc.pid == first_pid and node.restarts == 0, "not before the back-off is over"
+    launcher.supervise(node, now=100.0 + restart_delay(0))
+    assert node.restarts == 1 and node.proc.pid != first_pid and node.exited_at is None
+    assert json.loads((tmp_path / "nodes" / "n0.json").read_text())["pid"] == node.proc.pid
+    node.proc.wait(timeout=60)
+    launcher.supervise(node, now=200.0)
+    assert node.restart_at == 200.0 + restart_delay(1) and restart_delay(1) > restart_delay(0)
+    assert [e.exit_code for e in launcher.events] == [3, 3]
+
+
+@pytest.mark.parametrize("case", ["exit 0", "injected", "--no-restart"])
+def test_a_node_that_finished_was_faulted_or_runs_with_no_restart_stays_down(tmp_path, case):
+    launcher = _launcher(tmp_path, *(["--no-restart"] if case == "--no-restart" else []))
+    node = _exited_node(launcher, "n0", 0 if case == "exit 0" else 1)
+    node.injected = case == "injected"
+    launcher.supervise(node, now=100.0)
+    launcher.supervise(node, now=1000.0)
+    assert (node.restarts, node.restart_at, launcher.events) == (0, None, [])
+    assert node.exited_at == 100.0
+
+
+def test_a_pending_restart_is_dropped_once_another_node_finished_the_job(tmp_path):
+    launcher = _launcher(tmp_path)
+    failed = _exited_node(launcher, "n0", 1)
+    launcher.supervise(failed, now=100.0)
+    assert failed.restart_at is not None
+    launcher.supervise(_exited_node(launcher, "n1", 0), now=100.1)
+    launcher.supervise(failed, now=1000.0)
+    assert (failed.restarts, failed.restart_at) == (0, None)

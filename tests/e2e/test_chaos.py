@@ -6,6 +6,7 @@ sample logs replay the uninterrupted global batches."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -137,6 +138,30 @@ def test_sigterm_to_the_launcher_stops_everything(small_mnist, tmp_path):
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=90) != 0
     assert [pid for pid in agents + workers + [etcd_pid] if alive(pid)] == []
+
+
+def test_an_agent_that_dies_on_its_own_is_restarted_and_rejoins(small_mnist, tmp_path):
+    """Not an injected fault: the agent of n1 is SIGKILLed from outside, as an OOM killer would. The
+    launcher starts it again (a kubelet restarting a container) and the job ends at world size 2."""
+    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--run-dir", str(tmp_path), "--timeout", "200",
+           "--data-dir", small_mnist, "--max-steps", "120", "--global-batch-size", str(BATCH), "--min-step-time", "0.1",
+           "--checkpoint-every", "10", "--log-every", "10", "--collective-timeout", "10"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=worker_env(), cwd=REPO)
+    for line in launcher.stdout:  # training runs: a real step, not a sleep
+        if "[first-step]" in line:
+            break
+    agent = json.loads((tmp_path / "nodes" / "n1.json").read_text())["pid"]
+    os.kill(agent, signal.SIGKILL)
+    out, _ = launcher.communicate(timeout=230)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert launcher.returncode == 0, out[-4000:]
+    (event,) = report["events"]
+    assert (event["kind"], event["node"], event["exit_code"]) == ("agent-restart", "n1", -signal.SIGKILL)
+    assert event["world_size_after"] is not None and event["steps_redone"] <= 10
+    assert report["nodes"]["n1"]["restarts"] == 1 and report["nodes"]["n1"]["pid"] != agent
+    assert report["summary"]["world_size"] == 2 and report["orphans"] == []
+    assert_replays_plan(tmp_path, 120)
 
 
 def test_kill_join_term_matches_the_fault_free_run(mnist_root, tmp_path):
