@@ -16,7 +16,8 @@ from elastic_mnist.errors import UserError
 # Imported lazily: `status` and `etcd` must not pay for importing torch.
 SUBCOMMANDS = {
     "train": ("elastic_mnist.train", "run one elastic DDP worker (under torchrun) or a single process"),
-    "etcd": ("elastic_mnist.etcd_server", "run the embedded etcd for rendezvous"),
+    "etcd": ("elastic_mnist.etcd_cli", "run the embedded etcd for rendezvous"),
+    "etcd-auth": ("elastic_mnist.etcd_auth", "set up least-privilege authentication on an etcd (idempotent)"),
     "local": ("elastic_mnist.launcher", "embedded etcd + N torchrun nodes on this machine, with fault injection"),
     "status": ("elastic_mnist.status", "rendezvous round, members and latest checkpoint of a job"),
     "bench": ("bench.__main__", "the benchmark suite"),

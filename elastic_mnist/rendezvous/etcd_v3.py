@@ -23,14 +23,20 @@ first node back declares all the others dead.
   keep_alive_interval=5 keep_alive_max_attempt=3                               torch's handler
   read_timeout=10      deadline of each etcd call, seconds
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
-  protocol=http|https  cacert=PATH  cert=PATH  key=PATH  user=NAME  password=SECRET
+  protocol=http|https  cacert=PATH  cert=PATH  key=PATH
+  user=NAME  password_file=PATH   etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $ELASTIC_MNIST_ETCD_PASSWORD_FILE);
+                                  password=SECRET works but is visible in `ps`: it warns
+  secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
   timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
+
+Whatever is read from the state key is checked before torch unpickles it (_state.py): a restricted
+unpickler always, an HMAC with secret_file. A refused state is ONE error, printed before torch's traceback.
 """
 
 from __future__ import annotations
 
 import os
-
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +45,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousStateError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
@@ -51,13 +58,16 @@ from elastic_mnist.rendezvous._client import (
     run_key,
 )
 from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
+from elastic_mnist.rendezvous._secrets import credentials, secret
+from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.store import EtcdV3Store
 
 BACKEND_NAME = "etcd-v3"
 # Read by torch's create_handler (dynamic_rendezvous.py): seconds, ints.
 HANDLER_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                 "keep_alive_interval", "keep_alive_max_attempt")
-BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "protocol", "cacert", "cert", "key", "user", "password")
+CONNECTION_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "password")
+BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "secret_file", *CONNECTION_KEYS)
 # torchrun's LaunchConfig always adds `timeout` (--rdzv-timeout, 900 s by default); like torch's own
 # dynamic backends we ignore it: the join deadline is join_timeout.
 TORCHRUN_KEYS = ("timeout",)
@@ -72,11 +82,28 @@ class EtcdV3ConnectionError(RendezvousConnectionError, EtcdV3Error):
     """etcd could not be used; a RendezvousConnectionError so torch's handler treats it as such."""
 
 
+class EtcdV3StateError(RendezvousStateError, StateIntegrityError):
+    """The state key holds bytes this job did not write; a RendezvousStateError for torch's handler."""
+
+
+_reported: set[str] = set()
+
+
+def report(exc: BaseException) -> None:
+    """Print the error as one line on stderr, once per process: under torchrun it is then the first thing
+    a user sees, ahead of torch's long traceback, which ends with the same message."""
+    line = f"elastic-mnist {BACKEND_NAME}: error: {exc}"
+    if line not in _reported:
+        _reported.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
 @dataclass(frozen=True)
 class EtcdV3Settings:
     connection: EtcdConnectionSpec
     key_prefix: str
     lease_ttl: int
+    secret: bytes | None = None
 
 
 def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
@@ -102,9 +129,10 @@ def _connection(params: RendezvousParameters) -> EtcdConnectionSpec:
         read_timeout = float(raw_timeout) if raw_timeout is not None else None
     except ValueError as exc:
         raise EtcdV3ConfigError(f"--rdzv-conf read_timeout={raw_timeout!r} is not a number of seconds") from exc
-    options = {k: params.get(k) for k in ("cacert", "cert", "key", "user", "password")}
     try:
-        return EtcdConnectionSpec.parse(params.endpoint, params.get("protocol"), read_timeout, **options)
+        user, password = credentials(params.get("user"), params.get("password"), params.get("password_file"))
+        return EtcdConnectionSpec.parse(params.endpoint, params.get("protocol"), read_timeout, user=user,
+                                        password=password, **{k: params.get(k) for k in ("cacert", "cert", "key")})
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(str(exc)) from exc
 
@@ -123,19 +151,33 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
         run_key(prefix, params.run_id, "state")
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(f"--rdzv-id: {exc}") from exc
-    return EtcdV3Settings(_connection(params), prefix, _lease_ttl(params))
+    try:
+        job_secret = secret(params.get("secret_file"))
+    except EtcdV3Error as exc:
+        raise EtcdV3ConfigError(str(exc)) from exc
+    return EtcdV3Settings(_connection(params), prefix, _lease_ttl(params), job_secret)
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
-    """Holds the dynamic rendezvous state in one etcd key; the token is the key's mod_revision."""
+    """Holds the dynamic rendezvous state in one etcd key; the token is the key's mod_revision.
+    Every state read is checked (`unseal`) before torch sees it; with a secret, every write is sealed."""
 
     def __init__(self, client: EtcdV3Client, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
-                 lease: LeaseKeeper | None = None) -> None:
+                 lease: LeaseKeeper | None = None, secret: bytes | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
         self._lease = lease or LeaseKeeper(client, 0)
+        self._secret = secret
         self.key = run_key(key_prefix, run_id, "state")
+
+    def _checked(self, stored: bytes) -> bytes:
+        try:
+            return unseal(self._secret, self.key, stored)
+        except StateIntegrityError as exc:
+            error = EtcdV3StateError(str(exc))
+            report(error)
+            raise error from None
 
     @property
     def name(self) -> str:
@@ -145,7 +187,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         resp = self._client.call("read the rendezvous state", lambda c: c.get_response(self.key))
         if not resp.kvs:
             return None
-        return resp.kvs[0].value, int(resp.kvs[0].mod_revision)
+        return self._checked(resp.kvs[0].value), int(resp.kvs[0].mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token and not isinstance(token, int):
@@ -156,15 +198,17 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             t = c.transactions
             # No token: create only if absent (torch's contract); else only if nobody wrote since `token`.
             guard = t.create(self.key) == 0 if not token else t.mod(self.key) == token
-            return c.transaction(compare=[guard], success=[t.put(self.key, state, lease=lease), t.get(self.key)],
+            return c.transaction(compare=[guard], success=[t.put(self.key, stored, lease=lease), t.get(self.key)],
                                  failure=[t.get(self.key)])
+
+        stored = seal(self._secret, self.key, state)
 
         succeeded, responses = self._lease.run("write the rendezvous state", txn)
         kvs = responses[-1]  # the Get's [(value, KVMetadata)]: the state as of this transaction
         if not kvs:
             return None
         value, meta = kvs[0]
-        return value, int(meta.mod_revision), bool(succeeded)
+        return self._checked(value), int(meta.mod_revision), bool(succeeded)
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:
@@ -172,7 +216,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     settings = parse_settings(params)
     client = EtcdV3Client(settings.connection, error_type=EtcdV3ConnectionError)
     lease = LeaseKeeper(client, settings.lease_ttl)
-    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease)
+    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret)
     store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease)
     try:
         backend.get_state()  # reachability, TLS, credentials and read permission in one round trip
@@ -185,7 +229,11 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """What torchrun calls for --rdzv-backend=etcd-v3: torch's dynamic handler over our backend.
     Timeouts and keep-alive settings are read from params by torch's create_handler itself."""
-    backend, store = create_backend(params)
+    try:
+        backend, store = create_backend(params)
+    except UserError as exc:
+        report(exc)
+        raise
     # Root cause of torch's shared-store restart hangs (pytorch/pytorch#135712): by default rank 0's agent
     # hosts one TCPStore for its workers that outlives rendezvous rounds, and gloo's keys in it keep their
     # names from round to round, so a new worker can read a dead peer's address and dial it. torch's own

@@ -4,77 +4,24 @@
     >>> read_rendezvous_status("127.0.0.1:2379", "job1")                    # --rdzv-backend=etcd-v3
     >>> read_rendezvous_status("127.0.0.1:2379", "job1", backend="etcd")    # torch's legacy v2 backend
 
-etcd-v3 state is torch's pickled `_RendezvousState`. It is decoded by a restricted unpickler that
-admits only the classes that state is made of, mapped onto the plain stand-ins below: no torch import
-(status stays fast), and no arbitrary code runs from whatever someone wrote into etcd.
+etcd-v3 state is torch's pickled `_RendezvousState`. It is decoded by the backend's restricted
+unpickler (_state.py), mapped onto plain stand-ins: no torch import (status stays fast), and no
+arbitrary code runs from whatever someone wrote into etcd. A sealed state is verified when the job's
+secret is given (secret_file=PATH or $ELASTIC_MNIST_RDZV_SECRET_FILE), else shown as unverified.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any
 
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._secrets import credentials, secret
+from elastic_mnist.rendezvous._state import MAGIC, NodeDesc, RendezvousState, decode_state, unseal
 
-_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
-
-
-@dataclass(eq=True, order=True, frozen=True)
-class NodeDesc:
-    """Stand-in for torch's _NodeDesc: same fields, same `addr_pid_localid` rendering."""
-
-    addr: str = ""
-    pid: int = 0
-    local_id: int = 0
-
-    def __repr__(self) -> str:
-        return f"{self.addr}_{self.pid}_{self.local_id}"
-
-
-@dataclass
-class RendezvousState:
-    """Stand-in for torch's _RendezvousState (attributes restored from the pickle)."""
-
-    round: int = 0
-    complete: bool = False
-    deadline: datetime | None = None
-    closed: bool = False
-    participants: dict[NodeDesc, int] = field(default_factory=dict)
-    wait_list: set[NodeDesc] = field(default_factory=set)
-    redundancy_list: set[NodeDesc] = field(default_factory=set)
-    last_heartbeats: dict[NodeDesc, datetime] = field(default_factory=dict)
-
-
-_ALLOWED = {
-    (_DYNAMIC, "_RendezvousState"): RendezvousState,
-    (_DYNAMIC, "_NodeDesc"): NodeDesc,
-    ("datetime", "datetime"): datetime,
-    ("datetime", "timezone"): timezone,
-    ("datetime", "timedelta"): timedelta,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-}
-
-
-class _StateUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state") from None
-
-
-def decode_state(state_bits: bytes) -> RendezvousState:
-    """torch's pickled _RendezvousState -> RendezvousState, admitting nothing else."""
-    state = _StateUnpickler(io.BytesIO(state_bits)).load()
-    if not isinstance(state, RendezvousState):
-        raise pickle.UnpicklingError(f"rendezvous state is a {type(state).__name__}, not _RendezvousState")
-    return state
+__all__ = ["NodeDesc", "RendezvousState", "decode_state", "read_rendezvous_status"]
 
 
 def _iso(t: datetime | None) -> str | None:
@@ -94,23 +41,40 @@ def _dynamic_status(state: RendezvousState) -> dict[str, Any]:
     }
 
 
+def _spec(endpoint: str, conn: dict[str, Any]) -> EtcdConnectionSpec:
+    """conn as in --rdzv-conf; user and password_file fall back to the environment, as in the backend."""
+    user, password = credentials(conn.pop("user", None), conn.pop("password", None), conn.pop("password_file", None))
+    return EtcdConnectionSpec.parse(endpoint, user=user, password=password, **conn)
+
+
+def _integrity(key: str, stored: bytes, job_secret: bytes | None) -> str:
+    if job_secret is not None:
+        unseal(job_secret, key, stored)  # raises StateIntegrityError naming the cause
+        return "verified"
+    return "unverified (sealed; pass secret_file=PATH to verify)" if stored.startswith(MAGIC) else "unsealed"
+
+
 def _read_etcd_v3(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:
     key = run_key(key_prefix, run_id, "state")
-    client = EtcdV3Client(EtcdConnectionSpec.parse(endpoint, **conn))
+    job_secret = secret(conn.pop("secret_file", None))
+    client = EtcdV3Client(_spec(endpoint, conn))
     try:
         resp = client.call("read the rendezvous state", lambda c: c.get_response(key))
     finally:
         client.close()
     if not resp.kvs:
         return {"key": key, "found": False}
-    status = _dynamic_status(decode_state(resp.kvs[0].value))
-    return {"key": key, "found": True, "token": int(resp.kvs[0].mod_revision), **status}
+    stored = resp.kvs[0].value
+    integrity = _integrity(key, stored, job_secret)
+    status = _dynamic_status(decode_state(stored))
+    return {"key": key, "found": True, "token": int(resp.kvs[0].mod_revision), "integrity": integrity, **status}
 
 
 def _read_legacy_etcd(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:
     import etcd  # python-etcd: the v2 API that torch's `etcd` backend uses
 
-    spec = EtcdConnectionSpec.parse(endpoint, **conn)
+    conn.pop("secret_file", None)  # the legacy backend's state is JSON, not sealed
+    spec = _spec(endpoint, conn)
     cert = (spec.cert, spec.key) if spec.cert else None
     client = etcd.Client(host=spec.host, port=spec.port, protocol=spec.protocol, cert=cert, ca_cert=spec.cacert,
                          username=spec.user, password=spec.password, read_timeout=spec.read_timeout)
@@ -132,7 +96,8 @@ def read_rendezvous_status(endpoint: str, run_id: str, backend: str = "etcd-v3",
                            **conn: Any) -> dict[str, Any]:
     """Round, phase, participants (with ranks and heartbeats) and waiting nodes of one job.
 
-    conn: protocol, cacert, cert, key, user, password, read_timeout (as in --rdzv-conf).
+    conn: protocol, cacert, cert, key, user, password_file, password, secret_file, read_timeout (as in
+    --rdzv-conf).
     Keys always present: backend, endpoint, run_id, key, found; when found also round, phase
     ("joining" | "complete" | "closed"), participants [{node, rank, last_heartbeat}], waiting.
     """

@@ -1,0 +1,73 @@
+"""Where the etcd-v3 backend's secrets come from: files and environment variables, never a command line.
+
+    ELASTIC_MNIST_ETCD_USER=elastic-mnist ELASTIC_MNIST_ETCD_PASSWORD_FILE=/etc/elastic-mnist/etcd/job-password \\
+    ELASTIC_MNIST_RDZV_SECRET_FILE=/etc/elastic-mnist/etcd/rdzv-secret torchrun --rdzv-backend=etcd-v3 ...
+
+--rdzv-conf user=NAME,password_file=PATH,secret_file=PATH say the same and win over the environment.
+A command line is readable by every local user (`ps`, /proc/PID/cmdline) and torchrun logs its
+--rdzv-conf at LOGLEVEL=INFO; torch also splits --rdzv-conf on commas, so a password with a comma
+could not be passed there at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, SECRET_FILE_ENV, USER_ENV, EtcdV3Error
+
+MIN_SECRET_BYTES = 16
+_warned_password = False
+
+
+def credentials(user: str | None, password: str | None, password_file: str | None,
+                environ: dict[str, str] | os._Environ[str] = os.environ) -> tuple[str | None, str | None]:
+    """(user, password) from --rdzv-conf user/password_file/password, else from $ELASTIC_MNIST_ETCD_USER
+    and $ELASTIC_MNIST_ETCD_PASSWORD_FILE. `password=` still works, with one warning per process."""
+    global _warned_password
+    if password and password_file:
+        raise EtcdV3Error("give the etcd password as password_file=PATH or password=SECRET, not both")
+    if password and not _warned_password:
+        _warned_password = True
+        print("elastic-mnist: warning: password= in --rdzv-conf is visible to every local user (ps, "
+              f"/proc/PID/cmdline) and in torchrun's log; use password_file=PATH or ${PASSWORD_FILE_ENV}",
+              file=sys.stderr, flush=True)
+    user = user or environ.get(USER_ENV) or None
+    if not password and password_file:
+        password = read_password(password_file, "password_file")
+    elif not password and environ.get(PASSWORD_FILE_ENV):
+        password = read_password(environ[PASSWORD_FILE_ENV], f"${PASSWORD_FILE_ENV}")
+    return user, password
+
+
+def read_password(path: str, source: str = "--password-file") -> str:
+    """A password file's text without its trailing newline (`echo pw > file` adds one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EtcdV3Error(f"cannot read the etcd password file {path!r} (from {source}): "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    if not password:
+        raise EtcdV3Error(f"the etcd password file {path!r} (from {source}) is empty")
+    return password
+
+
+def secret(secret_file: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> bytes | None:
+    """The job's state HMAC key: secret_file=PATH, else $ELASTIC_MNIST_RDZV_SECRET_FILE, else None (off)."""
+    if secret_file:
+        return read_secret(secret_file, "secret_file")
+    return read_secret(environ[SECRET_FILE_ENV], f"${SECRET_FILE_ENV}") if environ.get(SECRET_FILE_ENV) else None
+
+
+def read_secret(path: str, source: str) -> bytes:
+    """The HMAC key in a file (surrounding whitespace, e.g. a trailing newline, is not part of it)."""
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise EtcdV3Error(f"cannot read the rendezvous secret file {path!r} (from {source}): {exc.strerror}") from None
+    if len(key) < MIN_SECRET_BYTES:
+        raise EtcdV3Error(f"the rendezvous secret in {path!r} (from {source}) is {len(key)} bytes; use at least "
+                          f"{MIN_SECRET_BYTES} random bytes, e.g. `openssl rand -hex 32 > {path}`")
+    return key

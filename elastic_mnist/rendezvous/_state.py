@@ -1,0 +1,131 @@
+"""What may come out of a rendezvous state key: torch's pickled `_RendezvousState`, checked before use.
+
+    torchrun --rdzv-backend=etcd-v3 --rdzv-conf secret_file=/etc/elastic-mnist/etcd/rdzv-secret ...
+
+torch's DynamicRendezvousHandler `pickle.loads` whatever the backend returns, so anyone who can write
+the state key could run code on every node. The etcd-v3 backend therefore checks the bytes first:
+
+- `check_pickle`: a restricted unpickler admits only the classes that state is made of (mapped onto
+  the plain stand-ins below, so nothing of torch runs and no other callable is ever resolved);
+- `seal`/`unseal`: with a per-job secret, every state is written as MAGIC + HMAC-SHA256 + pickle, the
+  MAC covering the key name too (a state copied from another job's key does not verify).
+
+`elastic-mnist status` decodes with the same unpickler (`decode_state`), without importing torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import pickle
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from elastic_mnist.rendezvous._client import EtcdV3Error
+
+_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+MAGIC = b"EMRDZV1\0"  # a pickle (protocol >= 2) starts with 0x80, so sealed and bare states never collide
+_TAG_LEN = hashlib.sha256().digest_size
+
+
+class StateIntegrityError(EtcdV3Error):
+    """The state in etcd was not written by this job (tampered, foreign, or sealed with another secret)."""
+
+
+@dataclass(eq=True, order=True, frozen=True)
+class NodeDesc:
+    """Stand-in for torch's _NodeDesc: same fields, same `addr_pid_localid` rendering."""
+
+    addr: str = ""
+    pid: int = 0
+    local_id: int = 0
+
+    def __repr__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+
+@dataclass
+class RendezvousState:
+    """Stand-in for torch's _RendezvousState (attributes restored from the pickle)."""
+
+    round: int = 0
+    complete: bool = False
+    deadline: datetime | None = None
+    closed: bool = False
+    participants: dict[NodeDesc, int] = field(default_factory=dict)
+    wait_list: set[NodeDesc] = field(default_factory=set)
+    redundancy_list: set[NodeDesc] = field(default_factory=set)
+    last_heartbeats: dict[NodeDesc, datetime] = field(default_factory=dict)
+
+
+_ALLOWED = {
+    (_DYNAMIC, "_RendezvousState"): RendezvousState,
+    (_DYNAMIC, "_NodeDesc"): NodeDesc,
+    ("datetime", "datetime"): datetime,
+    ("datetime", "timezone"): timezone,
+    ("datetime", "timedelta"): timedelta,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state") from None
+
+
+def decode_state(state_bits: bytes) -> RendezvousState:
+    """torch's pickled _RendezvousState (bare or sealed; a seal is NOT verified here) -> RendezvousState."""
+    if state_bits.startswith(MAGIC):
+        state_bits = state_bits[len(MAGIC) + _TAG_LEN:]
+    state = _StateUnpickler(io.BytesIO(state_bits)).load()
+    if not isinstance(state, RendezvousState):
+        raise pickle.UnpicklingError(f"rendezvous state is a {type(state).__name__}, not _RendezvousState")
+    return state
+
+
+def check_pickle(key: str, state_bits: bytes) -> None:
+    """Raise StateIntegrityError unless the bytes are a _RendezvousState made only of admitted classes.
+    Every pickle opcode that could call something resolves its callable through find_class, so a pickle
+    that passes here names only those classes, and torch's own unpickler resolves the same ones."""
+    try:
+        decode_state(state_bits)
+    except Exception as exc:  # noqa: BLE001 - any failure to decode means: not our state
+        raise StateIntegrityError(
+            f"refusing the rendezvous state in {key}: it is not torch's rendezvous state ({exc}); someone "
+            "who can write that key wrote it. Nothing of it was executed; stop the writer, delete the key, "
+            "and turn on etcd authentication (docs/security.md)") from None
+
+
+def _tag(secret: bytes, key: str, state_bits: bytes) -> bytes:
+    return hmac.new(secret, MAGIC + key.encode() + b"\0" + state_bits, hashlib.sha256).digest()
+
+
+def seal(secret: bytes | None, key: str, state_bits: bytes) -> bytes:
+    """What is written to etcd: the pickle itself without a secret, else MAGIC + MAC + pickle."""
+    return state_bits if secret is None else MAGIC + _tag(secret, key, state_bits) + state_bits
+
+
+def unseal(secret: bytes | None, key: str, stored: bytes) -> bytes:
+    """The checked pickle inside what etcd holds; StateIntegrityError if it may not reach pickle.loads."""
+    if secret is None:
+        if stored.startswith(MAGIC):
+            raise StateIntegrityError(
+                f"the rendezvous state in {key} is sealed with a secret but this node has none: give every "
+                "node the same secret_file=PATH (or $ELASTIC_MNIST_RDZV_SECRET_FILE)")
+        check_pickle(key, stored)
+        return stored
+    tag, state_bits = stored[len(MAGIC):len(MAGIC) + _TAG_LEN], stored[len(MAGIC) + _TAG_LEN:]
+    if not stored.startswith(MAGIC) or not hmac.compare_digest(tag, _tag(secret, key, state_bits)):
+        raise StateIntegrityError(
+            f"refusing the rendezvous state in {key}: its HMAC does not verify with this job's secret "
+            "(tampered with, written by a node with another secret, or by one without secret_file). "
+            "Nothing of it was executed; check that every node has the same secret, then look for who "
+            "else writes that key (docs/security.md)")
+    check_pickle(key, state_bits)  # defense in depth: a leaked secret still cannot run code
+    return state_bits
