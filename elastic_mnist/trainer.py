@@ -45,9 +45,12 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGHUP and self.orphaned:
+            return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
         self.signum = signum
-        signal.signal(signum, signal.SIG_DFL)
-        if signum == signal.SIGHUP and self.orphan_grace_s:
+        if signum != signal.SIGHUP:
+            signal.signal(signum, signal.SIG_DFL)
+        elif self.orphan_grace_s:
             timer = threading.Timer(self.orphan_grace_s, os._exit, args=(EXIT_UNSUPERVISED,))
             timer.daemon = True
             timer.start()

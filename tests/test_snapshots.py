@@ -1,0 +1,65 @@
+"""In-memory snapshots have an owner and a lifetime: a finished job removes its own, a start removes
+other runs' stale ones and keeps the total under a cap (oldest first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from elastic_mnist import procs, snapshots
+from elastic_mnist.config import TrainConfig
+from tests.conftest import REPO
+
+
+def _run_dir(root, name: str, mb: int, age_s: float):
+    path = root / name / "local0"
+    path.mkdir(parents=True)
+    (path / "ckpt-000000010.pt").write_bytes(b"\0" * (mb * 2**20))
+    then = time.time() - age_s
+    for p in (path / "ckpt-000000010.pt", path, path.parent):
+        os.utime(p, (then, then))
+    return path.parent
+
+
+def test_sweep_removes_stale_runs_and_keeps_the_current_one(tmp_path):
+    old = _run_dir(tmp_path, "old-job", 1, age_s=7 * 3600)
+    recent = _run_dir(tmp_path, "recent-job", 1, age_s=60)
+    mine = _run_dir(tmp_path, "my-job", 1, age_s=8 * 3600)
+    removed = snapshots.sweep(str(tmp_path), keep_run=str(mine), max_age_s=6 * 3600)
+    assert removed == [str(old)] and recent.exists() and mine.exists() and not old.exists()
+
+
+def test_sweep_keeps_the_total_under_the_cap_oldest_first(tmp_path):
+    runs = [_run_dir(tmp_path, f"job{i}", 2, age_s=600 - i * 100) for i in range(4)]  # job0 is the oldest
+    mine = _run_dir(tmp_path, "mine", 2, age_s=0)
+    removed = snapshots.sweep(str(tmp_path), keep_run=str(mine), max_age_s=3600, cap_bytes=6 * 2**20)
+    assert removed == [str(runs[0]), str(runs[1])], "10 MiB held, cap 6: the two oldest go"
+    assert all(r.exists() for r in runs[2:]) and mine.exists()
+
+
+def test_flags_are_validated():
+    with pytest.raises(Exception, match="snapshot-cap-mb"):
+        TrainConfig(snapshot_cap_mb=-1).validate()
+
+
+@pytest.mark.slow
+def test_finished_jobs_leave_nothing_in_memory(tmp_path, small_mnist):
+    """Three real torchrun jobs, one after another: each removes its own snapshots when it finishes,
+    and a stale directory of a crashed run is swept by the next start."""
+    shm = tmp_path / "shm"
+    crashed = _run_dir(shm, "crashed-run", 1, age_s=2 * 3600)
+    for i in range(3):
+        args = [f"--data-dir={small_mnist}", f"--checkpoint-dir={tmp_path / f'ckpt{i}'}", f"--log-dir={tmp_path / f'runs{i}'}",
+                "--max-steps=12", "--snapshot-every=5", f"--snapshot-dir={shm}", "--snapshot-max-age-h=1"]
+        cmd = procs.torchrun_command(["--standalone", "--nproc-per-node=1", f"--rdzv-id=snap{i}"], args)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=procs.child_env(),
+                                            cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((tmp_path / f"runs{i}" / "summary.json").read_text())["snapshots_taken"] == 2
+        assert ("[snapshots] removed 1" in done.stdout) == (i == 0), done.stdout[-2000:]
+    assert not crashed.exists()
+    assert os.listdir(shm) == [], "finished jobs removed their own snapshots"
