@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "etcd-auth": ("elastic_mnist.etcd_auth", "set up least-privilege authentication on an etcd (idempotent)"),
     "local": ("elastic_mnist.launcher", "embedded etcd + N torchrun nodes on this machine, with fault injection"),
     "status": ("elastic_mnist.status", "rendezvous round, members and latest checkpoint of a job"),
+    "preflight": ("elastic_mnist.preflight", "check data, checkpoint storage, etcd and GPU before a node starts"),
+    "pod": ("elastic_mnist.pod", "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
     "bench": ("bench.__main__", "the benchmark suite"),
 }
 

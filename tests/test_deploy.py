@@ -78,14 +78,15 @@ def test_base_image_is_pinned_and_carries_the_tested_torch():
     assert pins["torchvision"] == base_version(torchvision.__version__)
 
 
-def test_image_runs_torchrun_as_a_non_root_user():
+def test_image_runs_the_pod_entry_process_as_a_non_root_user():
     entry = [rest for kind, rest in DOCKER if kind == "ENTRYPOINT"]
-    assert len(entry) == 1 and exec_form(entry[0]) == ["torchrun"]
+    # `elastic-mnist pod` (PID 1, signal forwarding, finished-job exit) runs torchrun.
+    assert len(entry) == 1 and exec_form(entry[0]) == ["elastic-mnist", "pod"]
     user = [rest for kind, rest in DOCKER if kind == "USER"][-1]
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) >= 10000 and gid.isdigit(), "numeric, so runAsNonRoot can verify it"
     docs = [d for docs in render.load_dir(REPO / "k8s").values() for d in docs]
-    for w in (d for d in docs if d["kind"] in ("StatefulSet", "Deployment")):
+    for w in (d for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")):
         if any("elastic-mnist" in c["image"] for c in w["spec"]["template"]["spec"]["containers"]):
             sc = w["spec"]["template"]["spec"]["securityContext"]
             assert (sc["runAsUser"], sc["runAsGroup"]) == (int(uid), int(gid)), w["metadata"]["name"]
@@ -154,11 +155,11 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_compose_etcd_speaks_v2_on_a_pinned_release(compose):
+def test_compose_etcd_is_a_pinned_release_without_the_v2_api(compose):
     etcd = compose["services"]["etcd"]
     m = re.fullmatch(r"(quay\.io/coreos|gcr\.io/etcd-development)/etcd:v3\.5\.(\d+)", etcd["image"])
     assert m and int(m.group(2)) >= 6, etcd["image"]
-    assert "--enable-v2" in etcd["command"]
+    assert not [a for a in etcd["command"] if a.startswith("--enable-v2")], "the default backend is etcd-v3"
     assert etcd["healthcheck"]["test"]
 
 
@@ -176,8 +177,9 @@ def test_compose_workers_launch_like_the_manifests(compose):
         assert s["depends_on"]["etcd"]["condition"] == "service_healthy"
         ns = get_args_parser().parse_args(s["command"])
         assert ns.rdzv_endpoint == f"etcd:{etcd_port}", "the etcd service, on the port etcd listens on"
+        assert ns.rdzv_backend == "etcd-v3"
         expected = get_args_parser().parse_args(
-            torchrun_settings.torchrun_args("etcd", ns.rdzv_endpoint, ns.rdzv_id)
+            torchrun_settings.torchrun_args("etcd-v3", ns.rdzv_endpoint, ns.rdzv_id)
             + ["-m", "elastic_mnist.train", *ns.training_script_args])
         assert vars(ns) == vars(expected)
         config = parse_args(list(ns.training_script_args))
@@ -192,23 +194,44 @@ def test_compose_workers_launch_like_the_manifests(compose):
 
 # ---------------------------------------------------------------------------------------- render script
 
-def test_render_image_override_reaches_every_project_container(tmp_path):
-    image = "registry.internal:5000/ml/elastic-mnist:1.2.3"
-    out = tmp_path / "k8s"
-    run = subprocess.run([sys.executable, str(REPO / "deploy" / "render.py"), "--overlay", "node-local",
-                          "--out", str(out), "--image", image], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+def _render(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "deploy" / "render.py"), *args], capture_output=True, text=True)
+
+
+def _project_containers(out: Path) -> list[dict]:
     docs = [d for docs in render.load_dir(out).values() for d in docs]
-    images = [c["image"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")
-              for c in d["spec"]["template"]["spec"].get("initContainers", []) + d["spec"]["template"]["spec"]["containers"]]
-    assert images.count(image) == 2 and all(i == image or "etcd" in i for i in images), images
+    return [c for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")
+            for c in d["spec"]["template"]["spec"].get("initContainers", []) + d["spec"]["template"]["spec"]["containers"]
+            if "etcd" not in c["image"]]
+
+
+def test_render_pins_the_image_by_digest_in_every_project_container(tmp_path):
+    digest = "sha256:" + "ab" * 32
+    out = tmp_path / "k8s"
+    run = _render("--overlay", "node-local", "--out", str(out), "--image",
+                  f"registry.internal:5000/ml/elastic-mnist:1.2.3@{digest}")
+    assert run.returncode == 0, run.stderr
+    containers = _project_containers(out)
+    assert len(containers) == 3  # fetch-mnist, preflight, trainer
+    assert {c["image"] for c in containers} == {f"registry.internal:5000/ml/elastic-mnist@{digest}"}
+    assert {c["imagePullPolicy"] for c in containers} == {"IfNotPresent"}
     assert render.BASE_IMAGE_NAME not in out.joinpath("30-trainer.yaml").read_text()
 
 
+def test_render_takes_a_tag_only_for_an_image_loaded_into_the_nodes(tmp_path):
+    run = _render("--out", str(tmp_path / "a"), "--image", "registry.internal/elastic-mnist:1.2.3")
+    assert run.returncode != 0 and "digest" in run.stderr and "--loaded" in run.stderr
+    assert not (tmp_path / "a").exists()
+    out = tmp_path / "kind"
+    run = _render("--overlay", "cpu", "--out", str(out), "--image", "elastic-mnist:dev", "--loaded")
+    assert run.returncode == 0, run.stderr
+    containers = _project_containers(out)
+    assert {(c["image"], c["imagePullPolicy"]) for c in containers} == {("elastic-mnist:dev", "Never")}
+
+
 def test_render_refuses_an_untagged_image(tmp_path):
-    run = subprocess.run([sys.executable, str(REPO / "deploy" / "render.py"), "--out", str(tmp_path),
-                          "--image", "registry.internal/elastic-mnist"], capture_output=True, text=True)
-    assert run.returncode != 0 and "tag or a digest" in run.stderr
+    run = _render("--out", str(tmp_path), "--image", "registry.internal/elastic-mnist")
+    assert run.returncode != 0 and "digest" in run.stderr
     assert not list(tmp_path.iterdir())
 
 
@@ -216,7 +239,6 @@ def test_render_check_reports_a_stale_k8s_dir(tmp_path):
     stale = tmp_path / "k8s"
     shutil.copytree(REPO / "k8s", stale)
     trainer = stale / "30-trainer.yaml"
-    trainer.write_text(trainer.read_text().replace("replicas: 2", "replicas: 3"))
-    run = subprocess.run([sys.executable, str(REPO / "deploy" / "render.py"), "--check", "--out", str(stale)],
-                         capture_output=True, text=True)
-    assert run.returncode == 1 and "replicas: 3" in run.stdout and "replicas: 2" in run.stdout
+    trainer.write_text(trainer.read_text().replace("parallelism: 2", "parallelism: 3"))
+    run = _render("--check", "--out", str(stale))
+    assert run.returncode == 1 and "parallelism: 3" in run.stdout and "parallelism: 2" in run.stdout

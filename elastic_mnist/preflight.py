@@ -1,0 +1,225 @@
+"""`elastic-mnist preflight`: what no restart can fix, checked before torchrun touches the rendezvous.
+
+    elastic-mnist preflight --rdzv-backend=etcd-v3 --rdzv-endpoint=127.0.0.1:2379 --data-dir data --checkpoint-dir ckpt
+    elastic-mnist preflight --nnodes=1:4 --rdzv-backend=etcd ... -m elastic_mnist.train --data-dir /data/mnist ...
+
+The second form takes a pod's torchrun arguments word for word (the Kubernetes init container does).
+One line per check. Exit 0: all good, or the job already finished (nothing to do). Exit 78
+(PERMANENT): fix the configuration, retrying cannot help (the Job's podFailurePolicy fails the Job on
+it). Exit 75 (TRANSIENT): etcd still unreachable after --wait seconds of retrying with backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_mnist.config import parse_args
+from elastic_mnist.errors import UserError
+
+PERMANENT = 78  # sysexits EX_CONFIG
+TRANSIENT = 75  # sysexits EX_TEMPFAIL
+BACKENDS = ("etcd-v3", "etcd")
+# --rdzv-conf keys that say how to reach etcd (the rest tune the rendezvous itself).
+CONN_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "secret_file", "read_timeout")
+
+
+class Permanent(Exception):
+    """A check failed in a way no retry fixes; the message names the cause and the fix."""
+
+
+class Transient(Exception):
+    """A check failed in a way that may heal by itself (etcd not up yet)."""
+
+
+@dataclass
+class Launch:
+    """What preflight and `elastic-mnist pod` need from a torchrun-style command line."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    conn: dict
+    key_prefix: str | None
+    max_nodes: int
+    train_args: list[str]
+    wait_s: float
+
+
+def parse_launch(argv: list[str]) -> Launch:
+    """torchrun flags [-m MODULE train flags], or rendezvous flags mixed with train flags."""
+    p = argparse.ArgumentParser(prog="elastic-mnist preflight", add_help=True)
+    p.add_argument("--rdzv-backend", "--rdzv_backend", default="etcd-v3")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="127.0.0.1:2379")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="")
+    p.add_argument("--nnodes", default="1:4")
+    p.add_argument("--wait", type=float, default=300.0, help="seconds to keep retrying an unreachable etcd")
+    launcher, train = (argv[:argv.index("-m")], argv[argv.index("-m") + 2:]) if "-m" in argv else (argv, None)
+    ns, rest = p.parse_known_args(launcher)
+    if ns.rdzv_backend not in BACKENDS:
+        raise UserError(f"--rdzv-backend {ns.rdzv_backend!r} is not one of {', '.join(BACKENDS)}")
+    conf = dict(item.partition("=")[::2] for item in ns.rdzv_conf.split(",") if item)
+    conn = {k: (float(v) if k == "read_timeout" else v) for k, v in conf.items() if k in CONN_KEYS}
+    return Launch(ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id, conn, conf.get("key_prefix"),
+                  int(ns.nnodes.split(":")[-1]), rest if train is None else train, ns.wait)
+
+
+def finished_line(checkpoint_dir: str) -> str | None:
+    """One line saying the job already finished, from the marker rank 0 writes at the end, or None."""
+    from elastic_mnist.checkpoint import read_finished  # imports torch: only once the flags are good
+
+    record = read_finished(checkpoint_dir)
+    if record is None:
+        return None
+    total = f"/{record['total_steps']}" if record.get("total_steps") else ""
+    acc = f", test accuracy {record['test_accuracy']:.4f}" if record.get("test_accuracy") is not None else ""
+    return (f"job already finished at step {record['step']}{total}{acc} ({checkpoint_dir}/finished.json); "
+            "nothing to do")
+
+
+def check_data(config) -> str:
+    from elastic_mnist.data import RAW_FILES, read_idx
+
+    raw = Path(config.data_dir) / "MNIST" / "raw"
+    counts = {}
+    for (train, kind), name in RAW_FILES.items():
+        path = raw / name
+        if not path.is_file():
+            raise Permanent(f"MNIST file {path} is missing; copy MNIST/raw/*-ubyte under --data-dir "
+                            "(docs/kubernetes.md: data), or use the download-mnist variant")
+        try:
+            counts[(train, kind)] = read_idx(path).shape
+        except (OSError, ValueError, RuntimeError) as e:
+            raise Permanent(f"MNIST file {path} cannot be decoded ({e}); copy it again") from None
+    for train in (True, False):
+        images, labels = counts[(train, "images")], counts[(train, "labels")]
+        if images[0] != labels[0] or tuple(images[1:]) != (28, 28):
+            raise Permanent(f"MNIST under {raw}: {images} images vs {labels} labels; copy the files again")
+    return f"{raw}: {counts[(True, 'labels')][0]} train, {counts[(False, 'labels')][0]} test images"
+
+
+def check_checkpoints(config) -> str:
+    from elastic_mnist.checkpoint import ensure_writable
+
+    try:
+        method = ensure_writable(config.checkpoint_dir)
+    except UserError as e:
+        raise Permanent(str(e)) from None
+    return f"{config.checkpoint_dir} writable, publish by {method}"
+
+
+def check_device(config) -> str:
+    if config.backend != "nccl":
+        return f"--backend {config.backend}: no GPU needed"
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        raise Permanent("--backend nccl but no CUDA device is visible; request nvidia.com/gpu for the pod "
+                        "(or use the cpu variant / --backend gloo)")
+    return f"{torch.cuda.device_count()} CUDA device(s), {torch.cuda.get_device_name(0)}"
+
+
+def check_etcd(launch: Launch) -> str:
+    return (_check_etcd_v3 if launch.backend == "etcd-v3" else _check_etcd_v2)(launch)
+
+
+def _check_etcd_v3(launch: Launch) -> str:
+    from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
+    from elastic_mnist.rendezvous._secrets import secret
+    from elastic_mnist.rendezvous.status import _spec  # --rdzv-conf and $ELASTIC_MNIST_ETCD_* as the backend reads them
+
+    conn = {k: v for k, v in launch.conn.items() if k != "secret_file"}
+    try:
+        secret(launch.conn.get("secret_file"))  # a missing or short rendezvous secret is a config error
+        client = EtcdV3Client(_spec(launch.endpoint, {"read_timeout": 3.0, **conn}))
+        try:
+            status = client.call("read the cluster status", lambda c: c.status())
+        finally:
+            client.close()
+    except EtcdV3Error as e:
+        if "unreachable" in str(e) or "did not answer" in str(e):
+            raise Transient(str(e)) from None
+        raise Permanent(str(e)) from None
+    return f"{launch.endpoint}: etcd {status.version}, v3 API"
+
+
+def _check_etcd_v2(launch: Launch) -> str:
+    scheme = launch.conn.get("protocol", "http")
+    base = launch.endpoint if "://" in launch.endpoint else f"{scheme}://{launch.endpoint}"
+    try:
+        with urllib.request.urlopen(f"{base}/version", timeout=3) as r:
+            version = json.load(r).get("etcdserver", "?")
+        with urllib.request.urlopen(f"{base}/v2/keys/", timeout=3):
+            pass
+    except urllib.error.HTTPError as e:
+        raise Permanent(f"etcd at {base} does not serve the v2 API (HTTP {e.code}) that torchrun's `etcd` "
+                        "backend needs: run etcd 3.5 with --enable-v2, or use --rdzv-backend=etcd-v3") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise Transient(f"etcd at {base} is unreachable ({getattr(e, 'reason', e)}); is it running?") from None
+    return f"{base}: etcd {version}, v2 API enabled"
+
+
+def run_checks(launch: Launch, say=print) -> int:
+    """The checks in order, one line each; the exit code."""
+    try:
+        config = parse_args(launch.train_args)
+    except (UserError, SystemExit) as e:
+        say(f"preflight: flags: FAILED: {e if isinstance(e, UserError) else 'see the usage error above'}")
+        return PERMANENT
+    done = finished_line(config.checkpoint_dir)
+    if done:
+        say(f"preflight: {done}")
+        return 0
+    for name, check in (("data", check_data), ("checkpoints", check_checkpoints), ("device", check_device)):
+        try:
+            say(f"preflight: {name}: ok: {check(config)}")
+        except Permanent as e:
+            say(f"preflight: {name}: FAILED (permanent, exit {PERMANENT}): {e}")
+            return PERMANENT
+    return _wait_for_etcd(launch, say)
+
+
+def _wait_for_etcd(launch: Launch, say) -> int:
+    deadline, delay = time.monotonic() + launch.wait_s, 0.5
+    while True:
+        try:
+            say(f"preflight: etcd: ok: {check_etcd(launch)}")
+            return 0
+        except Permanent as e:
+            say(f"preflight: etcd: FAILED (permanent, exit {PERMANENT}): {e}")
+            return PERMANENT
+        except Transient as e:
+            if time.monotonic() + delay > deadline:
+                say(f"preflight: etcd: FAILED (still after {launch.wait_s:.0f}s, exit {TRANSIENT}): {e}")
+                return TRANSIENT
+            say(f"preflight: etcd: waiting {delay:.1f}s: {e}")
+            time.sleep(delay)  # backoff between attempts of a check, not synchronization
+            delay = min(delay * 2, 10.0)
+
+
+def _exit_on_term(signum, _frame):
+    # As a container's PID 1 nothing happens on SIGTERM without a handler: a pod deleted while
+    # waiting for etcd would sit out its whole grace period.
+    sys.exit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        launch = parse_launch(list(sys.argv[1:] if argv is None else argv))
+    except (UserError, ValueError) as e:
+        print(f"preflight: flags: FAILED: {e}")
+        return PERMANENT
+    return run_checks(launch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
