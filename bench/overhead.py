@@ -63,8 +63,9 @@ def save_series(log_dir: str) -> list[list[float]]:
 
 
 def classify_saves(runs: list[dict], steps_per_epoch: int) -> dict:
-    """Block time by kind of save: the writer's first (its thread starts), epoch ends (right after the
-    evaluation), the other periodic saves; and every save that blocked longer than its run's median step."""
+    """Block time by kind of save: the run's first (caches and allocator still cold), epoch ends (right
+    after the evaluation), the other periodic saves; and every save that blocked longer than its run's
+    median step."""
     kinds: dict[str, list[float]] = {"first": [], "epoch_end": [], "periodic": []}
     over = []
     for r in runs:

@@ -10,13 +10,9 @@ from pathlib import Path
 
 from bench.elastic import BREAKDOWN
 from bench.machine import one_line
-from bench.targets import _pct, _sec, _x
+from bench.fmt import num, pct, sec, times
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-
-
-def _num(v, fmt: str = ",.0f") -> str:
-    return "n/a" if v is None else format(v, fmt)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -33,8 +29,8 @@ def throughput_md(results: dict) -> list[str]:
     t = results["throughput"]
     reps = max((r["repeat"] for r in t["runs"]), default=0) + 1
     rows = [[f"{w}", _cell(c["ours"]), _cell(c["seed"]), _cell(c["bare"]) if w == "1" else "(1 process)",
-             _x(c["ours_vs_seed"]), _x(c["ours_vs_bare"]), _x(c["median_step"]["ours_vs_seed"]),
-             _x(c["median_step"]["ours_vs_bare"])] for w, c in sorted(t["summary"].items())]
+             times(c["ours_vs_seed"]), times(c["ours_vs_bare"]), times(c["median_step"]["ours_vs_seed"]),
+             times(c["median_step"]["ours_vs_bare"])] for w, c in sorted(t["summary"].items())]
     return [f"### Throughput (samples/s, median (min-max) of {reps} interleaved runs, {t['steps']} measured steps)",
             ""] + _table(["world", "ours", "seed loop", "bare loop", "ours/seed", "ours/bare",
                           "ours/seed by median step", "ours/bare by median step"], rows)
@@ -47,27 +43,27 @@ def overhead_md(results: dict) -> list[str]:
         v = ov[name]
         snap = f"{v['snapshot_block_ms_p50']:.2f}" if "snapshot_block_ms_p50" in v else "-"
         rows.append([name, " ".join(flags), _cell(v["samples_per_s"]), f"{v['step_ms_median']:.2f}",
-                     _num(v["checkpoints_saved"], ".0f"), f"{v['checkpoint_block_ms_p50']:.2f}",
+                     num(v["checkpoints_saved"], ".0f"), f"{v['checkpoint_block_ms_p50']:.2f}",
                      f"{v['checkpoint_block_ms_p95']:.2f}", f"{v['checkpoint_block_ms_max']:.2f}", snap])
     probe = [_probe_line(k, p) for k, p in ov.get("probe", {}).items()] + _saves_line(ov.get("saves"))
     return [f"### Checkpoint overhead (world 1, {ov['max_steps']} steps)", ""] + _table(
         ["variant", "flags", "samples/s", "median step ms", "saves", "block p50 ms", "block p95 ms",
          "block max ms", "snapshot block p50 ms"], rows) + [
-        "", (f"Throughput cost of 'on' vs 'off': {_pct(ov['throughput_cost'])} (median of paired runs "
-            f"{_pct(ov['throughput_cost_paired'])}; by median step {_pct(ov['step_time_cost'])}; the saves' "
-            f"blocking alone {_pct(ov['blocking_cost'])}). Why {ov['max_steps']} steps: {ov['why_max_steps']}"),
+        "", (f"Throughput cost of 'on' vs 'off': {pct(ov['throughput_cost'])} (median of paired runs "
+            f"{pct(ov['throughput_cost_paired'])}; by median step {pct(ov['step_time_cost'])}; the saves' "
+            f"blocking alone {pct(ov['blocking_cost'])}). Why {ov['max_steps']} steps: {ov['why_max_steps']}"),
         ""] + probe
 
 
 def _saves_line(saves: dict | None) -> list[str]:
     if not saves:
         return []
-    kinds = "; ".join(f"{k.replace('_', ' ')} n={v['n']} median {_num(v['median_ms'], '.2f')} ms max "
-                      f"{_num(v['max_ms'], '.2f')} ms" for k, v in saves["by_kind"].items())
+    kinds = "; ".join(f"{k.replace('_', ' ')} n={v['n']} median {num(v['median_ms'], '.2f')} ms max "
+                      f"{num(v['max_ms'], '.2f')} ms" for k, v in saves["by_kind"].items())
     over = ", ".join(f"{o['variant']} #{o['repeat']} step {o['step']} ({o['kind'].replace('_', ' ')}) "
                      f"{o['block_ms']:.2f} ms vs step {o['step_ms_median']:.2f} ms"
                      for o in saves["longer_than_a_step"])
-    return [f"- every save of every run above, by kind (first = the writer's thread starts; epoch end = right "
+    return [f"- every save of every run above, by kind (first = the run's first save; epoch end = right "
             f"after the evaluation): {kinds}. Longer than the run's median step: "
             f"{len(saves['longer_than_a_step'])} of {saves['saves']}" + (f" ({over})" if over else "")]
 
@@ -78,9 +74,9 @@ def _probe_line(name: str, p: dict) -> str:
             f"{p['snapshot_ms']:.2f} ms; {p['save_call_ms_behind_another_write']:.2f} ms right behind another "
             f"writer); background encode {p['encode_ms']:.2f} ms + write {p['write_ms']:.2f} ms; "
             f"{p['steps_overlapping_a_write']:.1f} steps overlap the write at "
-            f"{_num(p['step_ms_during_write'], '.2f')} ms vs {p['step_ms_alone']:.2f} ms alone; "
-            f"{p['extra_ms_per_save']:.2f} ms extra per save = **{_pct(p['cost_at_interval'])}** at every "
-            f"{p['interval']} steps ({_pct(p['cost_bound_no_idle_core'])} if no core is idle)")
+            f"{num(p['step_ms_during_write'], '.2f')} ms vs {p['step_ms_alone']:.2f} ms alone; "
+            f"{p['extra_ms_per_save']:.2f} ms extra per save = **{pct(p['cost_at_interval'])}** at every "
+            f"{p['interval']} steps ({pct(p['cost_bound_no_idle_core'])} if no core is idle)")
 
 
 def recovery_md(results: dict) -> list[str]:
@@ -89,9 +85,9 @@ def recovery_md(results: dict) -> list[str]:
         for e in run["events"]:
             b = e["breakdown"] or {}
             world = f"{e['world_size_before']}->{e['world_size_after']}"
-            rows.append([run["scenario"], run["backend"], e["kind"], world, _sec(e["recovery_s"]),
-                         _sec(run["cold_start_s"]), _x(e["recovery_over_cold_start"]), str(e["steps_redone"])]
-                        + [_num(b.get(k), ".2f") for k in BREAKDOWN])
+            rows.append([run["scenario"], run["backend"], e["kind"], world, sec(e["recovery_s"]),
+                         sec(run["cold_start_s"]), times(e["recovery_over_cold_start"]), str(e["steps_redone"])]
+                        + [num(b.get(k), ".2f") for k in BREAKDOWN])
     return ["### Recovery (fault -> first step at the new world size)", ""] + _table(
         ["scenario", "backend", "event", "world", "recovery", "cold start", "recovery/cold", "steps redone",
          "detect s", "rendezvous s", "imports s", "resume s", "first step s"], rows)
@@ -104,9 +100,9 @@ def tta_md(results: dict) -> list[str]:
     def events(r: dict) -> str:
         return ", ".join(f"{e['kind']} at {e['t_s']:.1f} s" for e in r["events"]) or "-"
 
-    rows = [[r["name"], r["chaos"] or "-", _sec(r["tta_s"]), _num(r["reached_at_step"], "d"),
-             _sec(r["tta_s_by_threshold"].get("0.97")), _num(r["best_accuracy"], ".4f"),
-             _num(r["final_accuracy"], ".4f"), events(r)] for r in tta["runs"]]
+    rows = [[r["name"], r["chaos"] or "-", sec(r["tta_s"]), num(r["reached_at_step"], "d"),
+             sec(r["tta_s_by_threshold"].get("0.97")), num(r["best_accuracy"], ".4f"),
+             num(r["final_accuracy"], ".4f"), events(r)] for r in tta["runs"]]
     return [f"### Time to {tta['threshold']:.0%} test accuracy ({tta['epochs']} epochs, real MNIST)", ""] + _table(
         ["run", "faults", f"time to {tta['threshold']:.0%}", "step", "time to 97%", "best accuracy", "final accuracy",
          "events"],

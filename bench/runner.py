@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from elastic_mnist import procs
+
 REPO = Path(__file__).resolve().parents[1]
-# Children must not inherit a torchrun identity from whoever started the suite.
-_STRIP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_", "TORCHELASTIC")
 
 
 class BenchError(RuntimeError):
@@ -27,19 +27,14 @@ class BenchError(RuntimeError):
 
 
 def child_env() -> dict[str, str]:
-    """Every process we launch gets one thread: the machine has few cores and runs several processes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP)}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    """Every process we launch gets one thread, even where the caller set more: the machine has few
+    cores and runs several processes, and every implementation must run alike."""
+    return procs.child_env(OMP_NUM_THREADS="1")
 
 
-def torchrun(nproc: int) -> list[str]:
-    """Real torchrun (the console script beside this interpreter), standalone rendezvous."""
-    exe = Path(sys.executable).parent / "torchrun"
-    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return head + ["--standalone", f"--nproc-per-node={nproc}"]
+def torchrun(nproc: int, module: str, module_args: list[str]) -> list[str]:
+    """Real torchrun with a standalone rendezvous, running `python -m module module_args` per worker."""
+    return procs.torchrun_command(["--standalone", f"--nproc-per-node={nproc}"], module_args, module)
 
 
 def python_m(module: str) -> list[str]:
@@ -97,8 +92,8 @@ class Runner:
     def trainer(self, nproc: int, train_args: list[str], name: str, timeout: float = 600) -> dict:
         """Our worker under torchrun; its summary.json is the result."""
         out_dir = self.new_dir(name)
-        cmd = torchrun(nproc) + ["-m", "elastic_mnist.train", *train_args, "--checkpoint-dir",
-                                 str(out_dir / "ckpt"), "--log-dir", str(out_dir / "logs")]
+        cmd = torchrun(nproc, "elastic_mnist.train", [*train_args, "--checkpoint-dir", str(out_dir / "ckpt"),
+                                                      "--log-dir", str(out_dir / "logs")])
         shm = None
         if supports("snapshot_dir") and "--snapshot-dir" not in train_args:
             # In-memory snapshots stay in memory (tmpfs) as by default, but in a directory we remove.

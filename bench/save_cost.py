@@ -97,8 +97,8 @@ def _measure(trainer: Trainer, work: str, saves: int, interval: int) -> dict:
     behind = _behind_another_write(trainer, work, saves)
     background_cpu = encode_cpu + write_cpu
     return {"state_bytes": len(blob), "snapshot_ms": state_ms, "snapshot_cpu_ms": state_cpu,
-            # Snapshot + handing it to the writer thread, as Trainer.save times it: a thread started per
-            # save runs Python (pickling) at once, and the training thread waits for the GIL to come back.
+            # Snapshot + handing it to the writer's queue, as the checkpoint manager times it: the writer
+            # thread wakes and runs Python (pickling) at once, so the training thread may wait for the GIL.
             "save_call_ms": statistics.median(blocks), "save_call_ms_max": max(blocks),
             "switch_interval_ms": sys.getswitchinterval() * 1000, "save_call_ms_behind_another_write": behind,
             "encode_ms": encode_ms, "encode_cpu_ms": encode_cpu, "write_ms": write_ms, "write_cpu_ms": write_cpu,
@@ -111,14 +111,13 @@ def _measure(trainer: Trainer, work: str, saves: int, interval: int) -> dict:
 
 
 def _written(directory: str, step: int) -> bool:
-    """The writer's file appears (hard-linked, complete) only when its write is done: public, and true
-    for any writer design (a thread per save, or one fed by a queue)."""
+    """The writer's file appears (published complete) only when its write is done."""
     return os.path.exists(path_for(directory, step))
 
 
 def _behind_another_write(trainer: Trainer, work: str, saves: int) -> float:
-    """The save call when another writer thread has just started (what happens at a step that is both
-    a snapshot step and a checkpoint step: the snapshot goes first)."""
+    """The save call while the other writer is still busy (a snapshot while the last checkpoint is
+    being written, or the reverse): the two writer threads and training share the GIL."""
     first, second, calls = CheckpointWriter(f"{work}/a", keep=2), CheckpointWriter(f"{work}/b", keep=2), []
     for i in range(saves):
         first.save(trainer.checkpoints.capture(), 20_000 + i)

@@ -1,5 +1,6 @@
 """The seed article's DDP loop, the baseline we are measured against: torchvision MNIST decoded per
-sample (PIL → ToTensor → Normalize) through a DataLoader with DistributedSampler, DDP with gloo.
+sample (PIL → ToTensor → Normalize) through a DataLoader with DistributedSampler, DDP with gloo; timed
+by the trainer's own step timer (metrics.Throughput), so loading the next batch counts as in ours.
 
     torchrun --standalone --nproc-per-node=1 -m bench.seed_loop --data-dir ../shared/data --steps 300
 
@@ -8,10 +9,8 @@ Prints one JSON line from rank 0: {"samples_per_s": ..., "step_ms_median": ..., 
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import json
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -20,16 +19,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets, transforms
 
+from bench.bare_loop import loop_parser
+from elastic_mnist.metrics import Throughput
 from elastic_mnist.model import build_model
 
 
+def batches(loader: DataLoader, sampler: DistributedSampler):
+    """The loader's batches epoch after epoch, reshuffled each epoch as the seed does."""
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--global-batch-size", type=int, default=128)
-    args = parser.parse_args()
+    args = loop_parser("the seed article's DDP loop").parse_args()
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
@@ -38,28 +41,14 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.global_batch_size // world, sampler=sampler)
     model = DDP(build_model(512, 0))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    step, epoch, t0, last, step_s = 0, 0, 0.0, 0.0, []
-    while step < args.warmup + args.steps:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            if step == args.warmup:
-                t0 = last = time.perf_counter()
-            optimizer.zero_grad()
-            F.nll_loss(model(x.view(len(x), -1)), y).backward()
-            optimizer.step()
-            if step >= args.warmup:  # loading the next batch counts: it is part of what a step costs
-                now = time.perf_counter()
-                step_s.append(now - last)
-                last = now
-            step += 1
-            if step == args.warmup + args.steps:
-                break
-        epoch += 1
-    elapsed = time.perf_counter() - t0
+    timer = Throughput(args.warmup)
+    for x, y in itertools.islice(batches(loader, sampler), args.warmup + args.steps):
+        optimizer.zero_grad()
+        F.nll_loss(model(x.view(len(x), -1)), y).backward()
+        optimizer.step()
+        timer.step(args.global_batch_size)
     if rank == 0:
-        rate = args.steps * args.global_batch_size / elapsed
-        print(json.dumps({"samples_per_s": rate, "step_ms_median": statistics.median(step_s) * 1000,
-                          "steps": args.steps, "world_size": world}), flush=True)
+        print(json.dumps(timer.result(world_size=world)), flush=True)
     dist.destroy_process_group()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from elastic_mnist.metrics import Throughput
+
 STEPS_PER_EPOCH_REAL = 60000 // 128  # 468: real MNIST at the global batch of 128
 
 
@@ -15,8 +17,8 @@ class Settings:
     repeats: int
     steps: int
     """Measured steps per throughput run (after `warmup`), the same for every implementation."""
-    warmup: int = 5
-    """Steps left out of the rate; our trainer's summary leaves out 5, so the loops do too."""
+    warmup: int = Throughput.WARMUP_STEPS
+    """Steps left out of the numbers: what the trainer's step timer leaves out, so the loops do too."""
     overhead_steps: int = 1400
     overhead_repeats: int = 3
     recovery_steps: int = 200

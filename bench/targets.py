@@ -5,17 +5,7 @@
 
 from __future__ import annotations
 
-
-def _x(v) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
-
-
-def _pct(v) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
-
-
-def _sec(v) -> str:
-    return "n/a" if v is None else f"{v:.2f} s"
+from bench.fmt import pct, sec, times
 
 
 def target(tid: str, text: str, value, op: str, threshold: float, detail: str = "") -> dict:
@@ -28,17 +18,17 @@ def _throughput(results: dict) -> list[dict]:
     w1 = results["throughput"]["summary"].get("1", {})
     step = w1.get("median_step", {})
     return [target("ours_vs_seed_w1", "throughput at world 1 >= 1.8x the seed loop", w1.get("ours_vs_seed"), ">=",
-                   1.8, f"by median step time: {_x(step.get('ours_vs_seed'))}"),
+                   1.8, f"by median step time: {times(step.get('ours_vs_seed'))}"),
             target("ours_vs_bare_w1", "throughput at world 1 >= 0.9x the bare loop", w1.get("ours_vs_bare"), ">=",
-                   0.9, f"by median step time: {_x(step.get('ours_vs_bare'))}")]
+                   0.9, f"by median step time: {times(step.get('ours_vs_bare'))}")]
 
 
 def _cost_detail(ov: dict) -> str:
-    probes = "; ".join(f"probe: {k} saves cost {_pct(p['cost_at_interval'])} at every {p['interval']} steps"
+    probes = "; ".join(f"probe: {k} saves cost {pct(p['cost_at_interval'])} at every {p['interval']} steps"
                        for k, p in ov.get("probe", {}).items())
-    return (f"checkpoints without snapshots {_pct(ov.get('throughput_cost_checkpoints_only'))}; paired median "
-            f"{_pct(ov['throughput_cost_paired'])}; median step {_pct(ov['step_time_cost'])}; blocking alone "
-            f"{_pct(ov['blocking_cost'])}; {probes}")
+    return (f"checkpoints without snapshots {pct(ov.get('throughput_cost_checkpoints_only'))}; paired median "
+            f"{pct(ov['throughput_cost_paired'])}; median step {pct(ov['step_time_cost'])}; blocking alone "
+            f"{pct(ov['blocking_cost'])}; {probes}")
 
 
 def _block_detail(ov: dict) -> str:
@@ -73,7 +63,7 @@ def _recovery(results: dict) -> list[dict]:
         first, backend = (run["events"] or [{}])[0], run["backend"]
         if run["scenario"] == "kill":
             which = "default etcd-v3" if backend == "etcd-v3" else f"legacy {backend}, for comparison"
-            detail = (f"{_sec(first.get('recovery_s'))} vs cold start {_sec(run['cold_start_s'])}; "
+            detail = (f"{sec(first.get('recovery_s'))} vs cold start {sec(run['cold_start_s'])}; "
                       + _where_recovery_goes(first))
             out.append(target(f"kill_recovery_{backend}", f"kill recovery <= 1.5x cold start ({which})",
                               first.get("recovery_over_cold_start"), "<=", 1.5, detail))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.fmt import times
 from bench.runner import Runner, log, python_m, ratio, spread, torchrun
 from bench.settings import Settings
 
@@ -21,7 +22,7 @@ def _loop_args(s: Settings) -> list[str]:
 
 
 def _ours_args(s: Settings, *extra: str) -> list[str]:
-    # The summary's rate leaves out the first 5 steps: max-steps = warm-up + measured steps.
+    # The trainer's step timer leaves out the warm-up steps: max-steps = warm-up + measured steps.
     return ["--data-dir", s.data_dir, "--max-steps", str(s.warmup + s.steps),
             "--global-batch-size", str(s.global_batch_size), *extra]
 
@@ -31,7 +32,7 @@ def run_one(runner: Runner, s: Settings, impl: str, world: int, extra: tuple = (
     if impl == "bare":
         rec = runner.json_line(python_m("bench.bare_loop") + _loop_args(s), name, s.timeout_s)
     elif impl == "seed":
-        rec = runner.json_line(torchrun(world) + ["-m", "bench.seed_loop"] + _loop_args(s), name, s.timeout_s)
+        rec = runner.json_line(torchrun(world, "bench.seed_loop", _loop_args(s)), name, s.timeout_s)
     else:
         rec = runner.trainer(world, _ours_args(s, *extra), name, s.timeout_s)
     keep = ("samples_per_s", "step_ms_median", "wall_s", "load_avg", "command")
@@ -57,7 +58,7 @@ def measure(runner: Runner, s: Settings) -> dict:
               "ours_flags": "defaults (--checkpoint-every 100, evaluation at epoch end only)",
               "runs": runs, "summary": summarize(runs)}
     for world, row in result["summary"].items():
-        log(f"throughput world {world}: ours/seed {_fmt(row['ours_vs_seed'])}x, ours/bare {_fmt(row['ours_vs_bare'])}x")
+        log(f"throughput world {world}: ours/seed {times(row['ours_vs_seed'])}, ours/bare {times(row['ours_vs_bare'])}")
     return result
 
 
@@ -81,10 +82,6 @@ def summarize(runs: list[dict]) -> dict:
                             "ours_vs_seed": ratio(ours_step["median"], seed_step["median"]),
                             "ours_vs_bare": ratio(ours_step["median"], bare_step["median"])}}
     return out
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
 
 
 def measure_gpu(runner: Runner, s: Settings) -> dict | None:

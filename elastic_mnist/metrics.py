@@ -63,14 +63,19 @@ class Metrics:
 
 
 class Throughput:
-    """Samples/s over this (re)start, after a few warm-up steps so start-up cost does not skew it."""
+    """The one step timer: the trainer and bench's bare and seed loops all measure with it, so their
+    ratios compare like with like. Call step() when a step is done; the first `warmup_steps` are left
+    out (start-up cost); each measured step is the wall time from the end of the step before, so data
+    loading, evaluation and saves in between count."""
 
-    def __init__(self, warmup_steps: int = 5):
+    WARMUP_STEPS = 5
+
+    def __init__(self, warmup_steps: int = WARMUP_STEPS):
         self.warmup_steps = warmup_steps
         self.steps = 0
         self.samples = 0
         self.step_s: list[float] = []
-        """Wall time between consecutive steps after warm-up (what one step costs, saves included)."""
+        """Wall time of each measured step (end of the step before to end of this one)."""
         self._t0: float | None = None
         self._last = 0.0
 
@@ -88,9 +93,15 @@ class Throughput:
         return percentile(self.step_s, 50) * 1000 if self.step_s else 0.0
 
     def rate(self) -> float:
+        """Samples/s over the measured steps, up to the end of the last one."""
         if self._t0 is None or self.samples == 0:
             return 0.0
-        return self.samples / max(time.perf_counter() - self._t0, 1e-9)
+        return self.samples / max(self._last - self._t0, 1e-9)
+
+    def result(self, **extra) -> dict:
+        """What a measured loop prints: rate, median step, measured steps."""
+        return {"samples_per_s": self.rate(), "step_ms_median": self.median_step_ms(),
+                "steps": len(self.step_s), **extra}
 
 
 def process_age_s() -> float:
