@@ -415,6 +415,30 @@ def test_trainer_pods_get_etcd_credentials_from_the_secret(variant, variants):
             assert env[name] == f"{m['mountPath']}/{key}"
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_etcd_turns_on_least_privilege_auth_from_the_secret(variant, variants):
+    """The etcd-auth sidecar: passwords from the Secret's files (never an argument), the job user limited
+    to the etcd-v3 backend's prefix, and the pod Ready only once authentication is on."""
+    from elastic_mnist import etcd_auth
+
+    docs = variants[variant]
+    etcd = find(docs, "StatefulSet", "etcd")
+    sidecar = container(etcd, "etcd-auth")
+    assert sidecar["command"] == ["elastic-mnist", "etcd-auth"] and sidecar["image"] == container(
+        trainer_job(docs), "trainer")["image"], "the project's image carries the command"
+    args = etcd_auth._parse(sidecar["args"])
+    assert args.user == "elastic-mnist" and args.prefix == ["/torchelastic/"] and args.recheck > 0
+    assert args.endpoint.startswith("127.0.0.1:"), "the sidecar talks to its own member"
+    for path, key in ((args.root_password_file, "root-password"), (args.password_file, "job-password")):
+        m, volume = mount_for(etcd, sidecar, path)
+        assert m["readOnly"] and volume["secret"]["secretName"] == "elastic-mnist-etcd"
+        assert {"key": key, "path": path.rsplit("/", 1)[1]} in volume["secret"]["items"]
+    assert "rdzv-secret" not in str(volume), "etcd gets only what it needs"
+    assert sidecar["readinessProbe"]["exec"]["command"] == ["test", "-f", args.ready_file]
+    mount_for(etcd, sidecar, args.ready_file)  # writable: not on the read-only root filesystem
+    assert not [d for d in docs if d["kind"] == "Secret"], "no password in the repository: the user creates it"
+
+
 def test_pods_get_distinct_identities(variants):
     trainer = trainer_job(variants[render.DEFAULT_OVERLAY])
     seen = {tuple(trainer_argv(trainer, pod_name=f"trainer-{i}", pod_ip=f"10.0.0.{i + 1}")) for i in range(2)}
