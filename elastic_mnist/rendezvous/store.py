@@ -6,11 +6,18 @@
 Keys live under `{key_prefix}/{run_id}/store/`. Blocking reads wait on an etcd watch (no polling),
 re-reading at least every WATCH_RECHECK_S in case a watch was lost (e.g. etcd restarted).
 Workers do not use this store: by default torch shares a TCPStore hosted by the rank-0 agent.
+
+torch's C++ layer (the PrefixStore torchrun's agent hands around) reaches a Python Store through a
+pybind trampoline that looks up methods by their C++ names for some calls (`getNumKeys`, `deleteKey`)
+and by their Python names for others (`compare_set`, `multi_get`, `multi_set`, `append`,
+`has_extended_api`, `clone`), so both spellings exist here. Read-modify-write operations (add,
+append, compare_set) are one etcd transaction guarded by the key's mod_revision, retried on a lost race.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +34,8 @@ def _bytes(value: str | bytes) -> bytes:
 
 
 class EtcdV3Store(Store):
-    """set/get/add/check/wait/compare_set/delete_key/num_keys with c10d's semantics, atomic via etcd txns."""
+    """A complete c10d Store (set/get/add/check/wait/compare_set/delete_key/num_keys, the extended API
+    append/multi_get/multi_set, and clone), atomic via etcd transactions."""
 
     def __init__(self, client: EtcdV3Client, prefix: str, timeout: timedelta | None = None,
                  lease: LeaseKeeper | None = None) -> None:
@@ -35,75 +43,126 @@ class EtcdV3Store(Store):
         self._client = client
         self._lease = lease or LeaseKeeper(client, 0)
         self.prefix = prefix.rstrip("/") + "/"
+        # Clones handed to C++ (PrefixStore.clone) are referenced only there, and the trampoline does not
+        # keep a Python object alive: without this list a clone's methods vanish at the next GC.
+        self._clones: list[EtcdV3Store] = []
         if timeout is not None:
             self.set_timeout(timeout)
 
     def _key(self, key: str | bytes) -> bytes:
         return self.prefix.encode() + _bytes(key)
 
+    def clone(self) -> EtcdV3Store:
+        """A store over the same keys, etcd connection and lease (both thread-safe), with its own timeout."""
+        twin = EtcdV3Store(self._client, self.prefix, self.timeout, self._lease)
+        self._clones.append(twin)
+        return twin
+
+    # -- writes ---------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
         k, v = self._key(key), _bytes(value)
         self._lease.run(f"set store key {key!r}", lambda c, lease: c.put(k, v, lease=lease))
 
-    def get(self, key: str) -> bytes:  # type: ignore[override]
-        k = self._key(key)
-        found = self._wait_for([k], self.timeout)
-        if found is None:
-            raise DistStoreError(f"EtcdV3Store: timed out after {self.timeout} waiting for key {key!r} "
-                                 f"(etcd at {self._client.spec.endpoint})")
-        return found[k]
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+        """All keys in one transaction: readers never see half of them."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values)]
+
+        def txn(c: Any, lease: int | None) -> Any:
+            return c.transaction(compare=[], success=[c.transactions.put(k, v, lease=lease) for k, v in pairs],
+                                 failure=[])
+
+        self._lease.run(f"set store keys {keys}", txn)
 
     def add(self, key: str, num: int) -> int:  # type: ignore[override]
-        """Atomic increment: a compare on the key's mod_revision; losing a race means re-read and retry."""
-        k = self._key(key)
-        while (new := self._try_add(k, num)) is None:
-            pass  # another writer landed first, so the system made progress: retry at once
-        return new
+        """Atomic increment; a missing key counts as 0."""
+        new = self._update(key, lambda old: str(int(old or b"0") + num).encode())
+        return int(new)  # type: ignore[arg-type]
 
-    def _try_add(self, k: bytes, num: int) -> int | None:
-        value, meta = self._client.call(f"read store counter {k!r}", lambda c: c.get(k))
-        new = num + (int(value) if value is not None else 0)
-
-        def txn(c: Any, lease: int | None) -> tuple[bool, list[Any]]:
-            t = c.transactions
-            guard = t.create(k) == 0 if meta is None else t.mod(k) == meta.mod_revision
-            return c.transaction(compare=[guard], success=[t.put(k, str(new), lease=lease)], failure=[])
-
-        return new if self._lease.run(f"add to store counter {k!r}", txn)[0] else None
+    def append(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        """Atomic append; a missing key is created with `value`."""
+        tail = _bytes(value)
+        self._update(key, lambda old: (old or b"") + tail)
 
     def compare_set(self, key: str, expected_value: str | bytes,  # type: ignore[override]
                     desired_value: str | bytes) -> bytes:
         """c10d semantics: set if the value equals `expected` (or the key is absent and `expected` is
         empty); return the value now stored, or `expected` when the key is absent and was not set."""
-        k, expected, desired = self._key(key), _bytes(expected_value), _bytes(desired_value)
+        expected, desired = _bytes(expected_value), _bytes(desired_value)
+        seen: list[bytes | None] = []
 
-        def txn(c: Any, lease: int | None) -> tuple[bool, list[Any]]:
-            t = c.transactions
-            guard = t.create(k) == 0 if not expected else t.value(k) == expected
-            return c.transaction(compare=[guard], success=[t.put(k, desired, lease=lease)], failure=[t.get(k)])
+        def decide(old: bytes | None) -> bytes | None:
+            seen.append(old)
+            return desired if old == expected or (old is None and not expected) else None
 
-        succeeded, responses = self._lease.run(f"compare_set store key {key!r}", txn)
-        if succeeded:
-            return desired
-        kvs = responses[0]
-        return kvs[0][0] if kvs else expected
+        written = self._update(key, decide)
+        if written is not None:
+            return written
+        return expected if seen[-1] is None else seen[-1]  # type: ignore[return-value]
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes | None]) -> bytes | None:
+        """Read the key, write change(old) unless it is None, only if nobody wrote in between; a lost
+        race means another writer made progress, so re-read and retry at once. Returns what was written."""
+        k = self._key(key)
+        while True:
+            old, meta = self._client.call(f"read store key {key!r}", lambda c: c.get(k))
+            new = change(old)
+            if new is None:
+                return None
+
+            def txn(c: Any, lease: int | None, new: bytes = new) -> tuple[bool, list[Any]]:
+                t = c.transactions
+                guard = t.create(k) == 0 if meta is None else t.mod(k) == meta.mod_revision
+                return c.transaction(compare=[guard], success=[t.put(k, new, lease=lease)], failure=[])
+
+            if self._lease.run(f"update store key {key!r}", txn)[0]:
+                return new
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        k = self._key(key)
+        return bool(self._client.call(f"delete store key {key!r}", lambda c: c.delete(k)))
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 - the name torch's C++ trampoline dispatches to
+        return self.delete_key(key)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        """Blocks until every key exists (as get does), up to the store's timeout."""
+        wanted = [self._key(k) for k in keys]
+        found = self._wait_for(wanted, self.timeout)
+        if found is None:
+            raise self._timeout_error(keys, self.timeout)
+        return [found[k] for k in wanted]
 
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
         found, _ = self._read([self._key(k) for k in keys])
         return len(found) == len(keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
-        if self._wait_for([self._key(k) for k in keys], timeout or self.timeout) is None:
-            raise DistStoreError(f"EtcdV3Store: timed out after {timeout or self.timeout} waiting for keys "
-                                 f"{keys} (etcd at {self._client.spec.endpoint})")
-
-    def delete_key(self, key: str) -> bool:  # type: ignore[override]
-        k = self._key(key)
-        return bool(self._client.call(f"delete store key {key!r}", lambda c: c.delete(k)))
+        timeout = self.timeout if timeout is None else timeout
+        if self._wait_for([self._key(k) for k in keys], timeout) is None:
+            raise self._timeout_error(keys, timeout)
 
     def num_keys(self) -> int:  # type: ignore[override]
         resp = self._client.call("count store keys", lambda c: c.get_prefix_response(self.prefix, count_only=True))
         return int(resp.count)
+
+    def getNumKeys(self) -> int:  # noqa: N802 - the name torch's C++ trampoline dispatches to
+        return self.num_keys()
+
+    def has_extended_api(self) -> bool:  # type: ignore[override]
+        return True  # append, multi_get and multi_set are native here, not torch's fallbacks
+
+    def _timeout_error(self, keys: list[str], timeout: timedelta) -> DistStoreError:
+        """Worded like torch's own stores ("Timeout waiting for key"), the type TCPStore raises."""
+        ms = int(timeout.total_seconds() * 1000)
+        return DistStoreError(f"Timeout waiting for key(s) {keys} after {ms} ms in the etcd-v3 store "
+                              f"{self.prefix!r} (etcd at {self._client.spec.endpoint}): no peer has set them; "
+                              "check that every node of the job is running")
 
     # -- blocking reads ------------------------------------------------------------------------
     def _read(self, keys: list[bytes]) -> tuple[dict[bytes, bytes], int]:
@@ -118,7 +177,8 @@ class EtcdV3Store(Store):
         return found, revision or 0
 
     def _wait_for(self, keys: list[bytes], timeout: timedelta) -> dict[bytes, bytes] | None:
-        deadline = time.monotonic() + timeout.total_seconds()
+        # A zero timeout is c10d's kNoTimeout: wait until the keys appear.
+        deadline = time.monotonic() + timeout.total_seconds() if timeout else float("inf")
         while True:
             found, revision = self._read(keys)
             if len(found) == len(keys):
