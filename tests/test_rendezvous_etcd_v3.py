@@ -167,6 +167,19 @@ def test_entry_point_resolves_through_torchs_registry(etcd: EtcdServer) -> None:
     assert read_rendezvous_status(etcd.endpoint, handler.get_run_id())["phase"] == "closed"
 
 
+def test_tuned_defaults_apply_unless_a_key_is_given(etcd: EtcdServer) -> None:
+    from elastic_mnist.torchrun_settings import RDZV_CONF
+
+    tuned = RDZV_CONF["etcd-v3"]
+    handler = get_rendezvous_handler(rdzv_params(etcd.endpoint, last_call_timeout=7))
+    settings = handler.settings
+    assert settings.keep_alive_interval == timedelta(seconds=tuned["keep_alive_interval"])
+    assert settings.keep_alive_max_attempt == tuned["keep_alive_max_attempt"]
+    assert settings.timeout.join == timedelta(seconds=tuned["join_timeout"])
+    assert settings.timeout.last_call == timedelta(seconds=7), "an explicit key wins"
+    assert (tuned["keep_alive_interval"], tuned["last_call_timeout"]) != (5, 30), "not torch's own defaults"
+
+
 @pytest.mark.parametrize("conf, message", [
     ({"bogus_key": 1, "another": 2}, r"unknown --rdzv-conf key\(s\) for etcd-v3: another, bogus_key; valid keys: .*"
                                      r"join_timeout"),

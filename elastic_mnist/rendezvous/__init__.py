@@ -23,6 +23,8 @@ _EXPORTS = {
     "EtcdV3RendezvousBackend": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3ConfigError": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3ConnectionError": "elastic_mnist.rendezvous.etcd_v3",
+    "EtcdV3StateError": "elastic_mnist.rendezvous.etcd_v3",
+    "StateIntegrityError": "elastic_mnist.rendezvous._state",
     "VALID_KEYS": "elastic_mnist.rendezvous.etcd_v3",
     "create_backend": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3Store": "elastic_mnist.rendezvous.store",

@@ -19,8 +19,10 @@ that product above any etcd outage the job must ride out (an etcd restart: a few
 first node back declares all the others dead.
 
 --rdzv-conf keys (anything else is rejected, naming the key):
-  join_timeout=600 last_call_timeout=30 close_timeout=30 heartbeat_timeout=5   torch's handler, seconds
-  keep_alive_interval=5 keep_alive_max_attempt=3                               torch's handler
+  join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
+  keep_alive_interval=1 keep_alive_max_attempt=3                               torch's handler
+      (defaults: elastic_mnist.torchrun_settings.RDZV_CONF["etcd-v3"], the values we tuned for elastic
+      jobs, where torch's own would be last_call_timeout=30, keep_alive_interval=5; a key given wins)
   read_timeout=10      deadline of each etcd call, seconds
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
@@ -61,6 +63,7 @@ from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from elastic_mnist.rendezvous._secrets import credentials, secret
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.store import EtcdV3Store
+from elastic_mnist.torchrun_settings import RDZV_CONF
 
 BACKEND_NAME = "etcd-v3"
 # Read by torch's create_handler (dynamic_rendezvous.py): seconds, ints.
@@ -211,6 +214,13 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._checked(value), int(meta.mod_revision), bool(succeeded)
 
 
+def with_tuned_defaults(params: RendezvousParameters) -> RendezvousParameters:
+    """A copy of params where every key of RDZV_CONF["etcd-v3"] that the user did not give is filled in."""
+    config = {**RDZV_CONF[BACKEND_NAME], **params.config}
+    return RendezvousParameters(params.backend, params.endpoint, params.run_id, params.min_nodes, params.max_nodes,
+                                params.local_addr, **config)
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:
     """Backend + Store sharing one connection and lease; probes etcd so a bad endpoint fails here."""
     settings = parse_settings(params)
@@ -229,6 +239,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """What torchrun calls for --rdzv-backend=etcd-v3: torch's dynamic handler over our backend.
     Timeouts and keep-alive settings are read from params by torch's create_handler itself."""
+    params = with_tuned_defaults(params)
     try:
         backend, store = create_backend(params)
     except UserError as exc:
