@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess

@@ -221,12 +221,13 @@ def test_status_command_reads_credentials_and_secret_from_the_environment(tmp_pa
     (tmp_path / "secret").write_text("s" * 32)
     env = child_env(ELASTIC_MNIST_ETCD_USER="elastic-mnist", ELASTIC_MNIST_RDZV_SECRET_FILE=str(tmp_path / "secret"),
                     ELASTIC_MNIST_ETCD_PASSWORD_FILE=str(auth_etcd.credential_file("job-password")))
-    backend, _ = create_backend(rdzv_params(auth_etcd.endpoint, "watched", secret_file=str(tmp_path / "secret"),
-                                            user="elastic-mnist", password_file=env["ELASTIC_MNIST_ETCD_PASSWORD_FILE"]))
+    conn = {"user": "elastic-mnist", "password_file": env["ELASTIC_MNIST_ETCD_PASSWORD_FILE"]}
+    backend, _ = create_backend(rdzv_params(auth_etcd.endpoint, "watched", secret_file=str(tmp_path / "secret"), **conn))
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
     backend.set_state(pickle.dumps(_RendezvousState()))
-    cmd = [sys.executable, "-m", "elastic_mnist", "status", "--rdzv-endpoint", auth_etcd.endpoint, "--rdzv-id", "watched"]
+    cmd = [sys.executable, "-m", "elastic_mnist", "status", "--rdzv-endpoint", auth_etcd.endpoint,
+           "--rdzv-id", "watched"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert result.returncode == 0 and "round 0, joining; 0 participant(s) (state verified)" in result.stdout, result
     (tmp_path / "secret").write_text("t" * 32)  # another job's secret: the state does not verify

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import etcd3
@@ -32,8 +32,7 @@ T = TypeVar("T")
 DEFAULT_PORT = 2379
 DEFAULT_READ_TIMEOUT_S = 10.0
 DEFAULT_KEY_PREFIX = "/torchelastic/v3"
-# Read when --rdzv-conf (or `elastic-mnist status --rdzv-conf`) does not name them: secrets stay off
-# every command line, where `ps` and torchrun's INFO log would show them.
+# Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
 USER_ENV = "ELASTIC_MNIST_ETCD_USER"
 PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"
 SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
@@ -126,10 +125,7 @@ def run_key(key_prefix: str | None, run_id: str, leaf: str) -> str:
 
 
 def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+    return Path(path).read_bytes() if path else None
 
 
 def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
@@ -280,12 +276,11 @@ class EtcdV3Client:
 
     def _unavailable(self, details: str) -> str:
         where, s, lowered = f"etcd at {self.spec.endpoint}", self.spec, details.lower()
-        if "bad_certificate" in lowered or "certificate required" in lowered or "certificate_required" in lowered:
+        if any(w in lowered for w in ("bad_certificate", "certificate required", "certificate_required")):
             if not s.cert:
                 return (f"{where} requires a client certificate (it runs with --client-cert-auth): "
                         "add cert=PATH,key=PATH to --rdzv-conf")
-            return (f"{where} rejected the client certificate {s.cert!r}: it must be signed by the CA that etcd "
-                    "trusts (its --trusted-ca-file)")
+            return f"{where} rejected the client certificate {s.cert!r}: it must be signed by etcd's --trusted-ca-file"
         if any(w in lowered for w in ("ssl", "tls", "handshake", "certificate")):
             return (f"TLS with {where} failed: {details}; check protocol=https and the cacert/cert/key "
                     "files (the server certificate must name the endpoint's host)")
