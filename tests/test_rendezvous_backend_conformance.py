@@ -93,6 +93,15 @@ def set_state(backend: EtcdV3RendezvousBackend, state: bytes, token: object = No
     return result
 
 
+def corrupt(server: EtcdServer, backend: EtcdV3RendezvousBackend) -> None:
+    """What upstream's _corrupt_state does: bytes in the state key that no node wrote."""
+    client = raw_client(server)
+    try:
+        client.put(backend.key, b"corrupt_state")
+    finally:
+        client.close()
+
+
 # -- RendezvousBackendTestMixin -------------------------------------------------------------------
 def test_get_state_returns_backend_state(backend: EtcdV3RendezvousBackend) -> None:
     backend.set_state(state_bits(1))
@@ -107,11 +116,7 @@ def test_get_state_returns_none_if_backend_state_does_not_exist(backend: EtcdV3R
 
 def test_get_state_raises_error_if_backend_state_is_corrupt(backend: EtcdV3RendezvousBackend,
                                                            etcd_server_v3only: EtcdServer) -> None:
-    client = raw_client(etcd_server_v3only)
-    try:
-        client.put(backend.key, b"corrupt_state")
-    finally:
-        client.close()
+    corrupt(etcd_server_v3only, backend)
     with pytest.raises(RendezvousStateError):
         backend.get_state()
 
@@ -229,11 +234,7 @@ def test_sync_sanitizes_state_if_no_participants_is_left(connect: Callable[[], E
 
 def test_sync_raises_error_if_backend_state_is_corrupt(backend: EtcdV3RendezvousBackend,
                                                       etcd_server_v3only: EtcdServer) -> None:
-    client = raw_client(etcd_server_v3only)
-    try:
-        client.put(backend.key, b"corrupt_state")
-    finally:
-        client.close()
+    corrupt(etcd_server_v3only, backend)
     with pytest.raises(RendezvousStateError):
         holder(backend).sync()
 
