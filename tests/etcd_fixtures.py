@@ -12,7 +12,10 @@ client), `wait_for_state` (block on etcd watches until a job's rendezvous state 
 `write_test_pki(dir)` (throw-away certificates for TLS tests; needs `cryptography`).
 
 `etcd_server` also serves the v2 API (torch's legacy `etcd` / `etcd-v2` backends need it);
-`etcd_server_v3only` does not, which proves a backend uses v3 only. Both stop etcd and remove its
+`etcd_server_v3only` does not, which proves a backend uses v3 only. `etcd_server_auth` has
+authentication on, as `elastic-mnist etcd --auth` and the Kubernetes etcd do: the job user
+`elastic-mnist` (password `server.auth[1]`, file `server.credential_file("job-password")`) may only use
+/torchelastic/ keys. Both stop etcd and remove its
 temp data dir afterwards; etcd also dies with the test process (PR_SET_PDEATHSIG) if pytest is killed.
 """
 
@@ -78,6 +81,13 @@ def etcd_server() -> Iterator[EtcdServer]:
 def etcd_server_v3only() -> Iterator[EtcdServer]:
     """A fresh etcd serving only the v3 (gRPC) API."""
     with EtcdServer(enable_v2=False) as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_server_auth(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh v3-only etcd with authentication: root (generated password) and the job user."""
+    with EtcdServer(tmp_path / "etcd", enable_v2=False, auth=True) as server:
         yield server
 
 

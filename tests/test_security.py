@@ -11,7 +11,6 @@ import os
 import pickle
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import etcd3
@@ -28,7 +27,7 @@ from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._state import MAGIC, StateIntegrityError, seal, unseal
-from etcd_fixtures import rdzv_params
+from etcd_fixtures import etcd_server_auth, rdzv_params  # noqa: F401  (etcd_server_auth: a pytest fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 120}
@@ -59,10 +58,8 @@ def job_client(server: EtcdServer) -> EtcdV3Client:
 
 
 @pytest.fixture
-def auth_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    """etcd with authentication on: root with a generated password, the job user `elastic-mnist`."""
-    with EtcdServer(tmp_path / "etcd", enable_v2=False, auth=True) as server:
-        yield server
+def auth_etcd(etcd_server_auth: EtcdServer) -> EtcdServer:  # noqa: F811
+    return etcd_server_auth
 
 
 def start_job(tmp_path: Path, server: EtcdServer, secret: bool, log_level: str = "WARNING") -> subprocess.Popen[str]:
