@@ -158,7 +158,8 @@ class Launcher:
             for node in list(self.nodes.values()):
                 node.tree()  # remember worker pids for the orphan check
                 self.supervise(node, time.time())
-            if not any(n.running or n.restart_at is not None for n in self.nodes.values()):
+            # From what supervise() saw, not a fresh poll: a node that exits right now is noted next round.
+            if all(n.exited_at is not None and n.restart_at is None for n in self.nodes.values()):
                 break
             if self.args.timeout and time.time() - self.t0 > self.args.timeout:
                 self.view.event(f"timeout after {self.args.timeout:.0f}s: stopping")
