@@ -21,26 +21,15 @@ import sys
 import tempfile
 import time
 
-import torch
-
 from elastic_mnist.checkpoint import CheckpointWriter, encode, path_for, write_durable
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data import load_split
-from elastic_mnist.metrics import Metrics
-from elastic_mnist.model import build_model
-from elastic_mnist.checkpoints import CheckpointManager
-from elastic_mnist.distributed import DistEnv
-from elastic_mnist.trainer import Reporting, Trainer
+from elastic_mnist.trainer import Trainer, in_process_trainer
 
 
 def _trainer(data_dir: str, work: str) -> Trainer:
     config = TrainConfig(data_dir=data_dir, checkpoint_dir=work, log_dir=work)
-    model = build_model(config.hidden, config.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    train, test = load_split(data_dir, True), load_split(data_dir, False)
-    metrics = Metrics(1, work)
-    manager = CheckpointManager(config, DistEnv(rank=1), metrics, {})  # measures only: this rank never writes
-    return Trainer(config, DistEnv(), model, optimizer, (train, test), manager, Reporting(metrics))
+    return in_process_trainer(config, load_split(data_dir, True), load_split(data_dir, False), writes=False)
 
 
 def _step(trainer: Trainer) -> float:

@@ -23,7 +23,6 @@ from elastic_mnist.distributed import DistEnv
 from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics, percentile
 
-
 @dataclass
 class Progress:
     """What survives restarts inside the checkpoint besides model and optimizer."""
@@ -35,17 +34,19 @@ class Progress:
     """Steady-state throughput of the latest (re)start that trained enough steps to measure it."""
     last_eval: dict = field(default_factory=dict)
 
+def map_tensors(obj, fn):
+    """obj with fn applied to every tensor in its nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
 
 def cpu_snapshot(obj):
     """Deep copy of tensors to CPU so a background thread can serialize while training mutates them."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: cpu_snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_snapshot(v) for v in obj)
-    return obj
-
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 class CheckpointManager:
     def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict):
@@ -61,6 +62,9 @@ class CheckpointManager:
         self.model = self.optimizer = None
         self.progress = Progress()
         self.steps_per_epoch = 1
+        self._confirmed: dict | None = None
+        """A device copy of model and optimizer at the last step every rank finished (see confirm_step)."""
+        self._confirmed_step = -1
 
     # -- restore ----------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
@@ -120,14 +124,33 @@ class CheckpointManager:
             self.metrics.print0(f"[snapshots] removed {len(removed)} stale snapshot dir(s) of other runs")
 
     # -- save -------------------------------------------------------------------------------------
-    def capture(self) -> dict:
-        """The whole training state at the current step, as CPU copies a writer thread may serialize."""
-        step = self.progress.step
+    def _keeps_copy(self) -> bool:
+        mode = self.config.failure_state
+        return mode == "copy" or (mode == "auto" and next(self.model.parameters()).device.type == "cuda")
+
+    def confirm_step(self) -> None:
+        """Every rank finished the current step. A GPU runs ahead of the host: when a peer is lost, kernels
+        queued behind an aborted collective may still run on garbage, so the failure save uses this device
+        copy (device-to-device, no host sync) of the last confirmed step instead of the live state."""
+        if not self._keeps_copy():
+            return
+        live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self._confirmed is None or len(_leaves(live)) != len(_leaves(self._confirmed)):
+            self._confirmed = _clone_tree(live)  # first step, or Adam just created its state
+        else:
+            torch._foreach_copy_(_leaves(self._confirmed), _leaves(live))
+        self._confirmed_step = self.progress.step
+
+    def capture(self, confirmed: bool = False) -> dict:
+        """The whole training state as CPU copies a writer thread may serialize: at the current step, or
+        (confirmed) at the last step every rank finished, where a device copy is kept."""
+        step, tensors = self.progress.step, {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if confirmed and self._confirmed is not None:
+            step, tensors = self._confirmed_step, self._confirmed
         epoch, position = divmod(step, self.steps_per_epoch)
         progress = {k: v for k, v in asdict(self.progress).items() if k != "step"}
         return cpu_snapshot({
-            "step": step, "epoch": epoch, "position": position,
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "step": step, "epoch": epoch, "position": position, **tensors,
             "rng": {"torch": torch.get_rng_state()}, "progress": progress,
             "config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.env.world_size,
             "run_id": self.env.run_id, "origin": self.snapshot.origin, "saved_at": time.time(),
@@ -168,7 +191,8 @@ class CheckpointManager:
             except RuntimeError as e:
                 self.metrics.warn(f"in-flight checkpoint write failed: {e}")
         writer = self.writer or CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints)
-        writer.save(self.capture(), self.progress.step, block=True)
+        state = self.capture(confirmed=True)
+        writer.save(state, state["step"], block=True)
         return writer.last_path or "already saved by another survivor"
 
     def finish(self, superseded: bool) -> None:
@@ -205,3 +229,16 @@ class CheckpointManager:
             "snapshots_taken": len(self.snapshot_block_ms),
             "snapshot_block_ms_p50": percentile(self.snapshot_block_ms, 50),
         }
+
+def _leaves(tree) -> list[torch.Tensor]:
+    """The tensors of a nested dict/list, in a stable order (state_dict order)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _leaves(v)]
+    return []
+
+def _clone_tree(tree):
+    return map_tensors(tree, lambda t: t.detach().clone())

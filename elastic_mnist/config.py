@@ -51,6 +51,16 @@ class TrainConfig:
     """Process group backend: auto (nccl when every local rank has a GPU, else gloo), gloo or nccl."""
     collective_timeout: float = 60.0
     """Seconds a collective may wait for a dead or frozen peer before the step fails."""
+    peer_timeout: float = 5.0
+    """Seconds without a heartbeat after which a frozen peer counts as lost (a killed one is seen at once)."""
+    heartbeat_interval: float = 0.5
+    """Seconds between peer heartbeats on the control plane."""
+    failure_state: str = "auto"
+    """What a rank saves when a peer is lost: copy (a device copy of the last agreed step), live (the model as it is), auto (copy on GPUs, which run ahead of the host; live on CPU)."""
+    input: str = "memory"
+    """memory: the data set decoded once into tensors (fast); dataloader: a DataLoader with per-sample transforms."""
+    num_workers: int = 0
+    """DataLoader worker processes with --input dataloader."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many optimizer steps (and at each epoch end); 0 disables periodic saves."""
     keep_checkpoints: int = 3
@@ -83,6 +93,12 @@ class TrainConfig:
             raise UserError("--lr and --hidden must be positive")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise UserError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.peer_timeout <= 0 or self.heartbeat_interval <= 0 or self.heartbeat_interval >= self.peer_timeout:
+            raise UserError("need 0 < --heartbeat-interval < --peer-timeout")
+        if self.failure_state not in ("auto", "copy", "live"):
+            raise UserError(f"--failure-state must be auto, copy or live, got {self.failure_state!r}")
+        if self.input not in ("memory", "dataloader") or self.num_workers < 0:
+            raise UserError(f"--input must be memory or dataloader (got {self.input!r}); --num-workers >= 0")
         if self.collective_timeout <= 0:
             raise UserError(f"--collective-timeout must be positive, got {self.collective_timeout}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:

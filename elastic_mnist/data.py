@@ -43,10 +43,19 @@ class Split:
     def to(self, device: torch.device) -> "Split":
         return Split(self.images.to(device), self.labels.to(device))
 
-    def fingerprint(self) -> str:
-        """Identifies the data set in checkpoints: size and labels (cheap, and differs between data sets)."""
-        digest = hashlib.sha256(self.labels.cpu().numpy().tobytes()).hexdigest()[:12]
-        return f"{len(self)}:{digest}"
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image, label): a Split is also a map-style data set."""
+        return self.images[i], self.labels[i]
+
+
+def dataset_fingerprint(dataset) -> str:
+    """Size and a hash of the labels: identifies a data set in checkpoints, the same for the in-memory
+    split and torchvision's MNIST of the same files (so --input may change between restarts)."""
+    labels = dataset.labels if isinstance(dataset, Split) else getattr(dataset, "targets", None)
+    if labels is None:
+        return f"{len(dataset)}"
+    digest = hashlib.sha256(torch.as_tensor(labels).to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:12]
+    return f"{len(dataset)}:{digest}"
 
 
 def load_split(root: str, train: bool, download: bool = False) -> Split:

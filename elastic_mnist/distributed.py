@@ -7,20 +7,14 @@ Everything else takes rank and world size as arguments, so multi-rank logic stay
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
-import signal
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from elastic_mnist.errors import UserError
-
-_PR_SET_PDEATHSIG = 1
-
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -55,21 +49,6 @@ def read_env(environ: dict | None = None) -> DistEnv:
     )
 
 
-def die_with_parent() -> None:
-    """A worker must never outlive its torchrun agent.
-
-    torchrun starts workers in their own session, so SIGKILL of the agent's process group does not reach
-    them; without this a worker keeps training alone after its machine "crashed".
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent or parent == 1:  # the agent died before prctl took effect
-        os._exit(1)
-
-
 def pick_backend(requested: str, local_world_size: int) -> str:
     if requested == "auto":
         has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
@@ -83,6 +62,9 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device
     """Join the process group (a lone process gets a one-member group) and pick this rank's device."""
     backend = pick_backend(requested_backend, env.local_world_size)
     if backend == "nccl":
+        # On an NCCL error or timeout, abort the communicators and raise in the blocked call, but keep the
+        # process (2 = CleanUpOnly): torch's default (3) tears the process down before it can save.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
     else:
@@ -94,6 +76,15 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
+
+
+def abort_data_group() -> None:
+    """Abort the NCCL communicators so a collective blocked on a lost peer returns at once (safe from
+    another thread; torch documents it for NCCL)."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except (RuntimeError, ValueError):  # already aborted, destroyed, or a backend without abort
+        pass
 
 
 def close() -> None:

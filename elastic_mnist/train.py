@@ -19,39 +19,39 @@ import time
 from contextlib import ExitStack
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_mnist import checkpoint, distributed, procs
 from elastic_mnist.checkpoints import CheckpointManager, cpu_snapshot
 from elastic_mnist.config import parse_args
-from elastic_mnist.data import load_split
+from elastic_mnist.control import ControlPlane, StopRequest
+from elastic_mnist.data import BatchPlan, dataset_fingerprint
 from elastic_mnist.errors import UserError
+from elastic_mnist.inputs import build_inputs
 from elastic_mnist.metrics import Metrics, process_age_s
-from elastic_mnist.model import build_model
 from elastic_mnist.runlog import RunLog
-from elastic_mnist.trainer import Reporting, StopRequest, Trainer
+from elastic_mnist.task import MnistMLP, Task
+from elastic_mnist.trainer import EXIT_RESTART, Learner, Reporting, Trainer
 
-EXIT_RESTART = 75  # EX_TEMPFAIL: "try again", which is what torchrun does with a failed worker
-
-
-def _build(config, env, device, stack: ExitStack, stop: StopRequest, marks: dict) -> Trainer:
+def _build(config, env, device, stack: ExitStack, task: Task, control: ControlPlane, marks: dict) -> Trainer:
     """Data, model, optimizer and the checkpoint manager, restored from the newest state there is."""
     metrics = Metrics(env.rank, config.log_dir)
     stack.callback(metrics.close)
-    train, test = load_split(config.data_dir, True, config.download), load_split(config.data_dir, False)
+    train, test = task.datasets(config)
     marks["data"] = time.time()
-    model = build_model(config.hidden, config.seed).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    manager = CheckpointManager(config, env, metrics, {**config.fingerprint(), "dataset": train.fingerprint()})
+    plan = BatchPlan(len(train), config.global_batch_size, config.seed)
+    model = task.build_model(config).to(device)
+    learner = Learner(task, model, task.build_optimizer(model, config))
+    fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
+    manager = CheckpointManager(config, env, metrics, fingerprint)
     stack.callback(manager.close)
-    progress = manager.restore(model, optimizer, len(train) // config.global_batch_size)
+    progress = manager.restore(model, learner.optimizer, plan.steps_per_epoch)
     marks["resumed"] = time.time()
     metrics.open_tensorboard(progress.step)
     runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
                                         env.restart_count))
-    return Trainer(config, env, model, optimizer, (train.to(device), test.to(device)), manager,
-                   Reporting(metrics, runlog, marks), stop)
+    inputs = build_inputs(train, test, plan, env.world_size, env.rank, device, config.num_workers)
+    return Trainer(config, env, learner, inputs, plan, manager, Reporting(metrics, runlog, marks), control)
 
 
 def _train(trainer: Trainer, config, env) -> int:
@@ -59,9 +59,9 @@ def _train(trainer: Trainer, config, env) -> int:
     try:
         summary = trainer.train()
     except Exception as e:
-        if env.world_size == 1 or not is_collective_failure(e):
+        where = trainer.handle_failure(e) if env.world_size > 1 else None
+        if where is None:
             raise
-        where = trainer.save_on_failure()
         trainer.metrics.warn(f"collective failed at step {trainer.progress.step} (a peer died or froze): "
                              f"{str(e).splitlines()[0][:200]}; state saved ({where}); exiting for torchrun to restart")
         return EXIT_RESTART
@@ -71,22 +71,15 @@ def _train(trainer: Trainer, config, env) -> int:
     return 0
 
 
-def run(config, env, stop: StopRequest, marks: dict) -> int:
+def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
     with ExitStack() as stack:
         device = distributed.init(env, config.backend, config.collective_timeout)
         stack.callback(distributed.close)
         marks["process_group"] = time.time()
         config.check_world_size(env.world_size)
-        trainer = _build(config, env, device, stack, stop, marks)
-        return _train(trainer, config, env)
-
-
-def is_collective_failure(e: BaseException) -> bool:
-    """A lost or frozen peer, as gloo/nccl report it (not a bug in our code)."""
-    if isinstance(e, dist.DistError):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(s in text for s in ("gloo", "NCCL", "Connection", "imed out"))
+        control = ControlPlane(env.world_size, config, stop)
+        stack.callback(control.leave)
+        return _train(_build(config, env, device, stack, task, control, marks), config, env)
 
 
 def _write_final(config, env, trainer: Trainer, summary: dict) -> None:
@@ -102,7 +95,8 @@ def _write_final(config, env, trainer: Trainer, summary: dict) -> None:
 
 
 @record
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, task: Task | None = None) -> int:
+    """The worker; `task` is what is trained (default: the MNIST MLP). Your own model: examples/."""
     marks = {"process_start": time.time() - process_age_s(), "imports": time.time()}
     env = distributed.read_env()
     stop = StopRequest()
@@ -114,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
         stop.orphan_grace_s = config.collective_timeout + 30  # the agreement, then one blocking save
-        return run(config, env, stop, marks)
+        return run(config, env, stop, task or MnistMLP(), marks)
     except UserError as e:
         print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
         return 2

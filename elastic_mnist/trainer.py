@@ -1,6 +1,7 @@
 """The training loop: world-size-invariant batches, loss weighting for uneven shares, the per-step
-agreement, epoch-end evaluation. Built by elastic_mnist.train; knows nothing of etcd, and asks the
-checkpoint manager (checkpoints.py) what to save instead of assembling checkpoints itself.
+agreement on the control plane, epoch-end evaluation, and what a rank does when a peer is lost. Built by
+elastic_mnist.train; knows nothing of etcd, and asks the checkpoint manager (checkpoints.py) what to
+save instead of assembling checkpoints itself.
 
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1
 """
@@ -8,60 +9,36 @@ checkpoint manager (checkpoints.py) what to save instead of assembling checkpoin
 from __future__ import annotations
 
 import os
-import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from elastic_mnist import distributed
 from elastic_mnist.checkpoints import CheckpointManager
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data import BatchPlan, Split, shard_bounds
+from elastic_mnist.control import ControlPlane
+from elastic_mnist.data import BatchPlan
 from elastic_mnist.distributed import DistEnv
+from elastic_mnist.fault_points import FaultPoints
 from elastic_mnist.metrics import Metrics, Throughput, process_age_s
 from elastic_mnist.runlog import RunLog
+from elastic_mnist.task import Task
 
-EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
+EXIT_RESTART = 75  # EX_TEMPFAIL: "try again", which is what torchrun does with a failed worker
 
 
-class StopRequest:
-    """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) or SIGHUP
-    (our torchrun agent died: the parent-death signal) asks the whole group to checkpoint at the next
-    step boundary and leave; a second signal of the same kind is not caught.
+@dataclass
+class Learner:
+    """What is trained: the task (loss, what counts as correct), its model and optimizer."""
 
-    Without an agent nobody supervises this worker, so after `orphan_grace_s` it exits however far the
-    agreement got: a worker never trains on alone."""
-
-    def __init__(self, orphan_grace_s: float = 0.0) -> None:
-        self.signum: int | None = None
-        self.orphan_grace_s = orphan_grace_s
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        if signum == signal.SIGHUP and self.orphaned:
-            return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
-        self.signum = signum
-        if signum != signal.SIGHUP:
-            signal.signal(signum, signal.SIG_DFL)
-        elif self.orphan_grace_s:
-            timer = threading.Timer(self.orphan_grace_s, os._exit, args=(EXIT_UNSUPERVISED,))
-            timer.daemon = True
-            timer.start()
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def orphaned(self) -> bool:
-        return self.signum == signal.SIGHUP
+    task: Task
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 @dataclass
@@ -75,32 +52,34 @@ class Reporting:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 data: tuple[Split, Split], checkpoints: CheckpointManager, report: Reporting,
-                 stop: StopRequest | None = None):
+    def __init__(self, config: TrainConfig, env: DistEnv, learner: Learner, inputs, plan: BatchPlan,
+                 checkpoints: CheckpointManager, report: Reporting, control: ControlPlane):
         self.config, self.env, self.rank, self.world_size = config, env, env.rank, env.world_size
-        self.model = model
-        self.ddp = nn.parallel.DistributedDataParallel(model) if env.world_size > 1 else model
-        self.optimizer, (self.train_split, self.test_split) = optimizer, data
-        self.checkpoints, self.report, self.metrics = checkpoints, report, report.metrics
-        self.stop = stop or StopRequest()
-        self.plan = BatchPlan(len(self.train_split), config.global_batch_size, config.seed)
-        checkpoints.attach(model, optimizer, self.plan.steps_per_epoch)
+        self.task, self.model, self.optimizer = learner.task, learner.model, learner.optimizer
+        self.ddp = nn.parallel.DistributedDataParallel(self.model) if env.world_size > 1 else self.model
+        self.inputs, self.plan = inputs, plan
+        self.checkpoints, self.report, self.metrics, self.control = checkpoints, report, report.metrics, control
+        self.stop = control.stop
+        checkpoints.attach(self.model, self.optimizer, plan.steps_per_epoch)
         self.progress = checkpoints.progress
-        epochs_steps = config.epochs * self.plan.steps_per_epoch
+        epochs_steps = config.epochs * plan.steps_per_epoch
         self.total_steps = min(epochs_steps, config.max_steps) if config.max_steps else epochs_steps
-        self.device = next(model.parameters()).device
+        self.device = next(self.model.parameters()).device
         self.throughput = Throughput()
         self.stopped_early = self.superseded = False
+        self.faults = FaultPoints(env.rank)
+        # Held while the optimizer step and the step counter change: outside it, model, optimizer and
+        # step agree, so the peer watch may save them from its own thread while this one is blocked.
+        self._state_lock = threading.Lock()
+        self._failure_owner = threading.Lock()
+        self._main_failing = threading.Event()
 
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of global step `step`; leaves the globally averaged gradient in .grad."""
-        idx = self.plan.rank_indices(step, self.world_size, self.rank)
-        dev_idx = idx.to(self.device, non_blocking=True)
-        x, y = self.train_split.images[dev_idx], self.train_split.labels[dev_idx]
+        x, y, idx = self.inputs.batch(step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = F.nll_loss(self.ddp(x), y, reduction="sum")
+        loss_sum = self.task.loss(self.ddp(x), y)
         # DDP averages gradients over ranks; scaling by world/B makes that average the mean over the
         # whole global batch however unevenly it was split.
         (loss_sum * (self.world_size / self.config.global_batch_size)).backward()
@@ -108,28 +87,30 @@ class Trainer:
 
     def _agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
         """Global mean loss, and whether any rank was asked to stop (or found the group superseded):
-        one all-reduce per step, so all ranks decide alike at the same step."""
-        flags = torch.tensor([float(self.stop.requested), float(self.superseded)], device=self.device)
-        packed = torch.cat([loss_sum.float().reshape(1), flags])
-        if self.world_size > 1:
-            dist.all_reduce(packed)
-        loss, stop, superseded = packed.tolist()
+        one all-reduce per step on the control plane, so all ranks decide alike at the same step."""
+        local = [float(loss_sum), float(self.stop.requested), float(self.superseded)]  # waits for the device
+        loss, stop, superseded = self.control.agree(local)
         self.superseded = superseded > 0
+        self.checkpoints.confirm_step()  # every rank finished this step: a state safe to save on failure
         return loss / self.config.global_batch_size, stop > 0 or self.superseded
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict:
         """Run to the end (or until a stop is agreed); returns the summary rank 0 writes."""
         start_step = self.progress.step
+        self.control.watch(self._on_peer_lost)
         while self.progress.step < self.total_steps:
             t0 = time.perf_counter()
+            self.faults.reach("data", self.progress.step)
             loss_sum, idx = self.forward_backward(self.progress.step)
-            self.optimizer.step()
-            # Counted at once: from here on, model, optimizer and step agree, so a failure in any later
-            # collective still leaves a consistent state to save (save_on_failure).
-            self.progress.step += 1
+            with self._state_lock:
+                self.optimizer.step()
+                # Counted at once: from here on, model, optimizer and step agree, so a failure in any
+                # later collective still leaves a consistent state to save.
+                self.progress.step += 1
             if self.report.runlog is not None:
                 self.report.runlog.step(self.progress.step - 1, self.plan.position(self.progress.step - 1)[0], idx)
+            self.faults.reach("control", self.progress.step - 1)
             loss, stop = self._agree(loss_sum)
             self.progress.train_time_s += time.perf_counter() - t0
             self.progress.samples_per_s = self.throughput.rate() or self.progress.samples_per_s
@@ -191,13 +172,13 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Test loss/accuracy, each rank scoring its contiguous shard, summed over ranks."""
-        start, end = shard_bounds(len(self.test_split), self.world_size, self.rank)
-        x, y = self.test_split.images[start:end], self.test_split.labels[start:end]
         self.model.eval()
-        out = self.model(x)
+        totals = torch.zeros(3, device=self.device, dtype=torch.float64)
+        for x, y in self.inputs.test_shard():
+            out = self.model(x)
+            totals += torch.stack([self.task.loss(out, y).double(), self.task.correct(out, y).double(),
+                                   torch.tensor(float(len(y)), device=self.device, dtype=torch.float64)])
         self.model.train()
-        totals = torch.stack([F.nll_loss(out, y, reduction="sum"), (out.argmax(1) == y).sum().float(),
-                              torch.tensor(float(len(y)), device=self.device)])
         if self.world_size > 1:
             dist.all_reduce(totals)
         loss_sum, correct, count = totals.tolist()
@@ -210,17 +191,43 @@ class Trainer:
         self.metrics.scalars(step, {"test/loss": result["test_loss"], "test/accuracy": result["test_accuracy"]})
         return result
 
-    def save_on_failure(self) -> str:
-        """A peer died mid-step: persist the state of this rank's last completed step."""
+    # -- a lost peer -------------------------------------------------------------------------------
+    def handle_failure(self, error: BaseException) -> str | None:
+        """Main thread, a collective raised: if a peer is gone, save the last completed step and say
+        where it went; None when the error is not a peer's loss (a bug: the caller re-raises)."""
+        self._main_failing.set()
+        if not (isinstance(error, dist.DistError) or self.control.confirms_peer_loss(self.config.peer_timeout + 2)):
+            return None
+        if not self._failure_owner.acquire(blocking=False):
+            threading.Event().wait()  # the peer watch is saving; it ends the process
         self._journal("collective_failed", step=self.progress.step)
         return self.checkpoints.save_on_failure()
+
+    def _on_peer_lost(self, reason: str) -> None:
+        """Peer-watch thread: a peer is gone. Abort the data group where that unblocks it (NCCL); if the
+        main thread does not take over at once (a gloo send blocked until its timeout), save the last
+        completed step from here and leave for torchrun to restart us."""
+        self.metrics.warn(f"peer lost near step {self.progress.step}: {reason}")
+        self._journal("peer_lost", step=self.progress.step, reason=reason)
+        if self.device.type == "cuda":
+            distributed.abort_data_group()
+        if self._main_failing.wait(1.0) or not self._failure_owner.acquire(blocking=False):
+            return
+        with self._state_lock:
+            where = self.checkpoints.save_on_failure()
+        self._journal("saved_by_watch", step=self.progress.step, path=where)
+        self.metrics.warn(f"state of step {self.progress.step} saved ({where}); exiting for torchrun to restart")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_RESTART)
 
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
             self.evaluate()
         self.checkpoints.finish(superseded=self.superseded)
         if self.world_size > 1:
-            dist.barrier()  # nobody restarts and reads before rank 0's final write is durable
+            self.control.agree([0.0])  # nobody restarts and reads before rank 0's final write is durable
+        self.control.leave()
         return self.summary()
 
     def summary(self) -> dict:
@@ -233,3 +240,22 @@ class Trainer:
             "torchrun_restart_count": self.env.restart_count, "stopped_early": self.stopped_early,
             "step_ms_median": self.throughput.median_step_ms(), **self.checkpoints.stats(),
         }
+
+
+def in_process_trainer(config: TrainConfig, train, test, env: DistEnv = DistEnv(), writes: bool = True,
+                       stop=None) -> Trainer:
+    """A Trainer over given data in this process (tests, benchmarks): the MNIST MLP task, its checkpoint
+    manager (writing only if `writes`), restored from config.checkpoint_dir when that holds a state."""
+    from elastic_mnist.control import ControlPlane
+    from elastic_mnist.inputs import build_inputs
+    from elastic_mnist.task import MnistMLP
+
+    task, metrics = MnistMLP(), Metrics(env.rank, config.log_dir)
+    plan = BatchPlan(len(train), config.global_batch_size, config.seed)
+    model = task.build_model(config)
+    learner = Learner(task, model, task.build_optimizer(model, config))
+    manager = CheckpointManager(config, env if writes else DistEnv(rank=1, world_size=env.world_size), metrics,
+                                config.fingerprint())
+    manager.restore(model, learner.optimizer, plan.steps_per_epoch)
+    inputs = build_inputs(train, test, plan, env.world_size, env.rank, next(model.parameters()).device)
+    return Trainer(config, env, learner, inputs, plan, manager, Reporting(metrics), ControlPlane(env.world_size, config, stop))

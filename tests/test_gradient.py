@@ -9,11 +9,8 @@ import torch.multiprocessing as mp
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data import Split
-from elastic_mnist.metrics import Metrics
-from elastic_mnist.model import build_model
-from elastic_mnist.checkpoints import CheckpointManager
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.trainer import Reporting, Trainer
+from elastic_mnist.trainer import in_process_trainer
 
 
 def _split(n: int = 600) -> Split:
@@ -23,12 +20,9 @@ def _split(n: int = 600) -> Split:
 
 def _grads(rank: int, world: int, step: int) -> list[torch.Tensor]:
     config = TrainConfig(global_batch_size=128, log_dir="")
-    model, env, metrics = build_model(config.hidden, config.seed), DistEnv(rank=rank, world_size=world), Metrics(rank, "")
-    manager = CheckpointManager(config, DistEnv(rank=1), metrics, {})  # rank 1 of shared storage: writes nothing
-    trainer = Trainer(config, env, model, torch.optim.Adam(model.parameters()), (_split(), _split(50)), manager,
-                      Reporting(metrics))
+    trainer = in_process_trainer(config, _split(), _split(50), DistEnv(rank=rank, world_size=world), writes=False)
     trainer.forward_backward(step)
-    return [p.grad.clone() for p in model.parameters()]
+    return [p.grad.clone() for p in trainer.model.parameters()]
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:

@@ -5,13 +5,10 @@ import signal
 import torch
 
 from elastic_mnist import checkpoint
-from elastic_mnist.checkpoints import CheckpointManager
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.control import StopRequest
 from elastic_mnist.data import Split
-from elastic_mnist.distributed import DistEnv
-from elastic_mnist.metrics import Metrics
-from elastic_mnist.model import build_model
-from elastic_mnist.trainer import Reporting, StopRequest, Trainer
+from elastic_mnist.trainer import Trainer, in_process_trainer
 
 
 def _trainer(tmp_path, stop: StopRequest | None = None) -> Trainer:
@@ -20,11 +17,7 @@ def _trainer(tmp_path, stop: StopRequest | None = None) -> Trainer:
     test = Split(torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen))
     config = TrainConfig(global_batch_size=32, max_steps=40, checkpoint_every=5, log_dir=str(tmp_path / "runs"),
                          checkpoint_dir=str(tmp_path / "ckpt"), log_every=1000, keep_checkpoints=10)
-    model = build_model(config.hidden, config.seed)
-    metrics, optimizer = Metrics(0, config.log_dir), torch.optim.Adam(model.parameters())
-    manager = CheckpointManager(config, DistEnv(), metrics, config.fingerprint())
-    manager.restore(model, optimizer, len(train) // config.global_batch_size)
-    return Trainer(config, DistEnv(), model, optimizer, (train, test), manager, Reporting(metrics), stop)
+    return in_process_trainer(config, train, test, stop=stop)
 
 
 def test_stop_request_checkpoints_at_the_next_step_boundary(tmp_path):

@@ -1,0 +1,123 @@
+"""The control plane: the per-step agreement and peer liveness, on small gloo groups beside the data group.
+
+    torchrun ... -m elastic_mnist.train --peer-timeout 5     # what a frozen peer may cost, at most
+
+Why apart from the data path: a data collective does not always notice a dead peer (a gloo send can wait
+for its full timeout, an NCCL kernel spins until the watchdog), and the worker must not wait a minute
+to learn what a heartbeat shows in seconds. Two gloo groups (CPU, TCP) exist beside the data group:
+- the agreement group: one all-reduce per step of (loss, stop, superseded), so every rank decides alike;
+- the watch group, driven by a thread: one tiny all-reduce every --heartbeat-interval seconds. A killed
+  peer resets its TCP connections, so the heartbeat fails at once; a frozen peer misses it and the
+  heartbeat fails after --peer-timeout. Either way `on_peer_lost` runs on that thread.
+Leaving is agreed through the heartbeat itself (a `leaving` flag), so a rank that finishes first never
+makes the others believe it died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
+
+
+class StopRequest:
+    """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) or SIGHUP
+    (our torchrun agent died: the parent-death signal) asks the whole group to checkpoint at the next
+    step boundary and leave; a second signal of the same kind is not caught.
+
+    Without an agent nobody supervises this worker, so after `orphan_grace_s` it exits however far the
+    agreement got: a worker never trains on alone."""
+
+    def __init__(self, orphan_grace_s: float = 0.0) -> None:
+        self.signum: int | None = None
+        self.orphan_grace_s = orphan_grace_s
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGHUP and self.orphaned:
+            return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
+        self.signum = signum
+        if signum != signal.SIGHUP:
+            signal.signal(signum, signal.SIG_DFL)
+        elif self.orphan_grace_s:
+            timer = threading.Timer(self.orphan_grace_s, os._exit, args=(EXIT_UNSUPERVISED,))
+            timer.daemon = True
+            timer.start()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def orphaned(self) -> bool:
+        return self.signum == signal.SIGHUP
+
+
+class ControlPlane:
+    def __init__(self, world_size: int, config, stop: StopRequest | None = None):
+        self.world_size, self.heartbeat_s = world_size, config.heartbeat_interval
+        self.stop = stop or StopRequest()
+        self.peer_lost = threading.Event()
+        self.lost_at: float | None = None
+        self.lost_reason = ""
+        self._leaving = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._agree_group = self._watch_group = None
+        if world_size > 1:  # new_group is collective: every rank creates the same groups in the same order
+            self._agree_group = dist.new_group(backend="gloo",
+                                               timeout=datetime.timedelta(seconds=config.collective_timeout))
+            self._watch_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config.peer_timeout))
+
+    def agree(self, values: list[float]) -> list[float]:
+        """Sum over ranks, on the agreement group (a lone process agrees with itself)."""
+        if self._agree_group is None:
+            return values
+        packed = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(packed, group=self._agree_group)
+        return packed.tolist()
+
+    def watch(self, on_peer_lost: Callable[[str], None]) -> None:
+        """Start the heartbeat thread; on_peer_lost(reason) runs on it once when a peer is lost."""
+        if self._watch_group is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._beat, args=(on_peer_lost,), daemon=True, name="peer-watch")
+        self._thread.start()
+
+    def _beat(self, on_peer_lost: Callable[[str], None]) -> None:
+        beat = torch.zeros(1)
+        while True:
+            beat.fill_(1.0 if self._leaving.is_set() else 0.0)
+            try:
+                dist.all_reduce(beat, group=self._watch_group)
+            except Exception as e:  # noqa: BLE001 - any failure of the heartbeat means a peer is gone
+                if self._leaving.is_set():
+                    return  # we were leaving anyway; a peer that left first is no loss
+                self.lost_at, self.lost_reason = time.time(), str(e).splitlines()[0][:200]
+                self.peer_lost.set()
+                on_peer_lost(self.lost_reason)
+                return
+            if beat.item() > 0:
+                return  # some rank is leaving: everyone stops beating after this same round
+            self._leaving.wait(self.heartbeat_s)
+
+    def leave(self, timeout_s: float = 10.0) -> None:
+        """Stop the heartbeat together with the other ranks (safe to repeat)."""
+        self._leaving.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def confirms_peer_loss(self, timeout_s: float) -> bool:
+        """An error from a collective is a peer's loss when the heartbeat says so (no message matching)."""
+        return self.peer_lost.wait(timeout_s)

@@ -1,0 +1,41 @@
+"""Fault points for tests: a worker signals itself at an exact step and place, so a test can put a peer's
+death or freeze inside the data collective or inside the control agreement, which outside timing cannot.
+
+    ELASTIC_MNIST_FAULT=stop:rank=1:step=20:at=data torchrun ... -m elastic_mnist.train ...
+
+kind: stop (SIGSTOP, a frozen machine) or kill (SIGKILL); at: data (before the step's forward pass, so
+its peers wait in the gradient all-reduce) or control (after the optimizer step, so its peers wait in the
+per-step agreement). Fires once per process. Unset in production: nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+VARIABLE = "ELASTIC_MNIST_FAULT"
+_SIGNALS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}
+
+
+def parse(text: str) -> dict | None:
+    """'stop:rank=1:step=20:at=data' -> {'kind': 'stop', 'rank': 1, 'step': 20, 'at': 'data'}."""
+    if not text:
+        return None
+    kind, *pairs = text.split(":")
+    fields = dict(p.split("=", 1) for p in pairs)
+    if kind not in _SIGNALS or fields.get("at") not in ("data", "control"):
+        raise ValueError(f"{VARIABLE}={text!r}: expected stop|kill:rank=R:step=S:at=data|control")
+    return {"kind": kind, "rank": int(fields["rank"]), "step": int(fields["step"]), "at": fields["at"]}
+
+
+class FaultPoints:
+    def __init__(self, rank: int, text: str | None = None):
+        self.fault = parse(os.environ.get(VARIABLE, "") if text is None else text)
+        self.rank = rank
+
+    def reach(self, at: str, step: int) -> None:
+        f = self.fault
+        if f is not None and f["rank"] == self.rank and f["step"] == step and f["at"] == at:
+            self.fault = None
+            print(f"[fault] {f['kind']} at step {step} ({at})", flush=True)
+            os.kill(os.getpid(), _SIGNALS[f["kind"]])
