@@ -14,7 +14,8 @@ Adapted: upstream stores b"x"/b"y"/b"z"; this backend refuses anything but torch
 _RendezvousState before torch unpickles it, so x/y/z are states of rounds 1/2/3. The backend tests run
 twice, without and with a state secret (sealed states). Each simulated node has its own etcd
 connection, as separate agents do. Upstream freezes the clock with mock.patch; here the heartbeats are
-real timestamps far enough either side of the expiry bound.
+real timestamps far enough either side of the expiry bound. Where upstream expects torch's default
+timeouts, etcd-v3 has the tuned defaults of elastic_mnist.torchrun_settings.RDZV_CONF.
 
 Does not apply, and why:
   BackendRendezvousStateHolderTest cache tests (test_sync_uses_cached_state_*, *_cached_state_has_expired):
@@ -58,6 +59,7 @@ from elastic_mnist.etcd_server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous.etcd_v3 import EtcdV3RendezvousBackend, create_rdzv_handler
 from elastic_mnist.rendezvous.store import EtcdV3Store
+from elastic_mnist.torchrun_settings import RDZV_CONF
 from etcd_fixtures import raw_client, rdzv_params, wait_for_state
 
 RUN_ID = "conformance"
@@ -284,8 +286,11 @@ def test_create_handler_returns_handler(nodes: Nodes) -> None:
     assert (handler.settings.min_nodes, handler.settings.max_nodes) == (3, 6)
     timeout = handler.settings.timeout
     assert (timeout.join, timeout.last_call, timeout.close) == tuple(timedelta(seconds=s) for s in (50, 60, 70))
-    assert (defaults.settings.timeout.last_call, defaults.settings.timeout.close) == (
-        RendezvousTimeout().last_call, RendezvousTimeout().close)
+    # Upstream expects torch's defaults for what is not given; etcd-v3 fills in the tuned ones first.
+    tuned = RDZV_CONF["etcd-v3"]
+    assert defaults.settings.timeout.last_call == timedelta(seconds=tuned["last_call_timeout"])
+    assert defaults.settings.keep_alive_interval == timedelta(seconds=tuned["keep_alive_interval"])
+    assert defaults.settings.timeout.close == RendezvousTimeout().close, "not tuned: torch's default"
 
 
 def test_all_nodes_join_rendezvous(nodes: Nodes, etcd_server_v3only: EtcdServer) -> None:
