@@ -7,8 +7,8 @@ conftest.py imports them so every test module can ask for them:
     def test_something(etcd_server_v3only):
         ... --rdzv-endpoint=etcd_server_v3only.endpoint ...
 
-Helpers: `rdzv_params` (RendezvousParameters as torchrun builds them), `raw_client` (a plain etcd3
-client), `wait_for_state` (block on etcd watches until a job's rendezvous state matches), and
+Helpers: `rdzv_params` (RendezvousParameters as torchrun builds them), `state_bits` (a real pickled
+rendezvous state: the etcd-v3 backend refuses anything else), `raw_client` (a plain etcd3 client), `wait_for_state` (block on etcd watches until a job's rendezvous state matches), and
 `write_test_pki(dir)` (throw-away certificates for TLS tests; needs `cryptography`).
 
 `etcd_server` also serves the v2 API (torch's legacy `etcd` / `etcd-v2` backends need it);
@@ -22,6 +22,7 @@ temp data dir afterwards; etcd also dies with the test process (PR_SET_PDEATHSIG
 from __future__ import annotations
 
 import ipaddress
+import pickle
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,6 +47,15 @@ def rdzv_params(endpoint: str, run_id: str | None = None, min_nodes: int = 1, ma
     """--rdzv-backend=etcd-v3 parameters; timeout=900 because torchrun's LaunchConfig always adds it."""
     return RendezvousParameters("etcd-v3", endpoint, run_id or f"t-{uuid.uuid4().hex[:8]}", min_nodes, max_nodes,
                                 local_addr="127.0.0.1", timeout=900, **conf)
+
+
+def state_bits(round_: int = 0) -> bytes:
+    """torch's pickled _RendezvousState of that round: what the handler writes, and all the backend admits."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    state = _RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)
 
 
 def raw_client(server: EtcdServer) -> etcd3.Etcd3Client:

@@ -34,20 +34,12 @@ from etcd_fixtures import (  # noqa: F401  (etcd_server* are pytest fixtures)
     etcd_server_v3only,
     raw_client,
     rdzv_params,
+    state_bits,
     wait_for_state,
     write_test_pki,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def state_bits(round_: int) -> bytes:
-    """A real pickled _RendezvousState: the backend refuses anything else before torch could unpickle it."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
-
-    state = _RendezvousState()
-    state.round = round_
-    return pickle.dumps(state)
 
 
 S = {i: state_bits(i) for i in range(1, 11)}

@@ -27,7 +27,7 @@ from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._state import MAGIC, StateIntegrityError, seal, unseal
-from etcd_fixtures import etcd_server_auth, rdzv_params  # noqa: F401  (etcd_server_auth: a pytest fixture)
+from etcd_fixtures import etcd_server_auth, rdzv_params, state_bits  # noqa: F401  (etcd_server_auth: a pytest fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 120}
@@ -140,9 +140,7 @@ def test_sealed_state_binds_the_secret_and_the_key(tmp_path: Path, auth_etcd: Et
     with pytest.raises(StateIntegrityError, match="not torch's rendezvous state"):
         unseal(leaked, sealed.key, seal(leaked, sealed.key, pickle.dumps(Payload(tmp_path / "pwned"))))
     assert not (tmp_path / "pwned").exists()
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
-
-    good = pickle.dumps(_RendezvousState())
+    good = state_bits(0)
     assert sealed.set_state(good)[0] == good
     # A node whose secret differs, or that has none, fails when its handler is created (the first read).
     with pytest.raises(StateIntegrityError, match="HMAC does not verify"):
@@ -220,9 +218,7 @@ def test_status_command_reads_credentials_and_secret_from_the_environment(tmp_pa
                     ELASTIC_MNIST_ETCD_PASSWORD_FILE=str(auth_etcd.credential_file("job-password")))
     conn = {"user": "elastic-mnist", "password_file": env["ELASTIC_MNIST_ETCD_PASSWORD_FILE"]}
     backend, _ = create_backend(rdzv_params(auth_etcd.endpoint, "watched", secret_file=str(tmp_path / "secret"), **conn))
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
-
-    backend.set_state(pickle.dumps(_RendezvousState()))
+    backend.set_state(state_bits(0))
     cmd = [sys.executable, "-m", "elastic_mnist", "status", "--rdzv-endpoint", auth_etcd.endpoint,
            "--rdzv-id", "watched"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
