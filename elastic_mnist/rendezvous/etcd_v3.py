@@ -9,7 +9,7 @@ rendezvous state (round, participants, heartbeats) is one pickled `_RendezvousSt
 `{key_prefix}/{run_id}/state`, written by an etcd transaction that compares the key's mod_revision
 (the fencing token), so exactly one writer wins per token. Different run ids never share a key, so
 a crashed job cannot block a new one; a reused run id recovers once the dead nodes' heartbeats age
-out (keep_alive_interval x keep_alive_max_attempt, 15 s by default).
+out (keep_alive_interval x keep_alive_max_attempt, 3 s by default).
 
 Bounds: every etcd call has a deadline of read_timeout (10 s by default), and the handler probes etcd
 when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s (a
@@ -26,8 +26,8 @@ first node back declares all the others dead.
   read_timeout=10      deadline of each etcd call, seconds
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
-  user=NAME  password_file=PATH   etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $ELASTIC_MNIST_ETCD_PASSWORD_FILE);
-                                  password=SECRET works but is visible in `ps`: it warns
+  user=NAME  password_file=PATH   etcd credentials (else $ELASTIC_MNIST_ETCD_USER and
+                                  $ELASTIC_MNIST_ETCD_PASSWORD_FILE); password=SECRET works but warns (`ps` shows it)
   secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
   timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
 
