@@ -25,28 +25,7 @@ import sys
 
 from elastic_mnist import procs
 from elastic_mnist.errors import UserError
-from elastic_mnist.preflight import PERMANENT, Launch, finished_line, parse_launch
-
-
-def closed_line(launch: Launch) -> str | None:
-    """One line when the job's rendezvous is closed (the job ended), else None (also when unknown)."""
-    if not launch.run_id:
-        return None
-    try:
-        from elastic_mnist.rendezvous.status import read_rendezvous_status
-
-        status = read_rendezvous_status(launch.endpoint, launch.run_id, launch.backend, launch.key_prefix,
-                                        **{"read_timeout": 3.0, **launch.conn})
-    except Exception:  # noqa: BLE001 - unknown is not closed: torchrun will report the real problem
-        return None
-    if status.get("phase") != "closed":
-        return None
-    return (f"job already ended: rendezvous {launch.run_id} is closed (no finished.json: it ended without "
-            "completing, see the other pods' logs); nothing to do, a new run needs a new Job")
-
-
-def already_done(launch: Launch, checkpoint_dir: str) -> str | None:
-    return finished_line(checkpoint_dir) or closed_line(launch)
+from elastic_mnist.preflight import PERMANENT, Launch, already_done, parse_launch
 
 
 class Forwarder:

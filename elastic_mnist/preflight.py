@@ -85,6 +85,28 @@ def finished_line(checkpoint_dir: str) -> str | None:
             "nothing to do")
 
 
+def closed_line(launch: Launch) -> str | None:
+    """One line when the job's rendezvous is closed (the job ended), else None (also when unknown)."""
+    if not launch.run_id:
+        return None
+    try:
+        from elastic_mnist.rendezvous.status import read_rendezvous_status
+
+        status = read_rendezvous_status(launch.endpoint, launch.run_id, launch.backend, launch.key_prefix,
+                                        **{"read_timeout": 3.0, **launch.conn})
+    except Exception:  # noqa: BLE001 - unknown is not closed: torchrun will report the real problem
+        return None
+    if status.get("phase") != "closed":
+        return None
+    return (f"job already ended: rendezvous {launch.run_id} is closed (no finished.json: it ended without "
+            "completing, see the other pods' logs); nothing to do, a new run needs a new Job")
+
+
+def already_done(launch: Launch, checkpoint_dir: str) -> str | None:
+    """Why a node arriving now has nothing to do (the job finished or its rendezvous is closed), or None."""
+    return finished_line(checkpoint_dir) or closed_line(launch)
+
+
 def check_data(config) -> str:
     from elastic_mnist.data import RAW_FILES, read_idx
 
@@ -192,6 +214,9 @@ def _wait_for_etcd(launch: Launch, say) -> int:
     while True:
         try:
             say(f"preflight: etcd: ok: {check_etcd(launch)}")
+            ended = closed_line(launch)
+            if ended:
+                say(f"preflight: {ended}")
             return 0
         except Permanent as e:
             say(f"preflight: etcd: FAILED (permanent, exit {PERMANENT}): {e}")

@@ -1,0 +1,291 @@
+"""The trainer pod of the rendered Job, run without a cluster: its init containers and its container, with
+command, arguments and environment taken from the manifest, as local processes against a real etcd.
+
+    python -m pytest -q -m e2e tests/e2e/test_k8s_lifecycle.py
+
+What the kubelet would fill in is substituted: the downward API (job name label, the Job's UID, the pod
+IP 127.0.0.1, JOB_COMPLETION_INDEX), the volumes (/data/mnist -> small generated MNIST, the rest of
+/data and /tmp -> temp dirs, the etcd Secret -> a directory with the job user's password and a
+generated rendezvous secret), the etcd address, --backend=gloo (no GPU) and a small --max-steps.
+etcd runs with authentication for the default backend, as in the cluster; torch's legacy `etcd`
+backend has no credentials, so there etcd runs without and the user/password variables are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import load_render
+from k8s_manifests import all_containers, argv, container, find, pod_spec, resolve_env, trainer_job, under
+
+from elastic_mnist import procs
+from elastic_mnist.checkpoint import list_checkpoints
+from elastic_mnist.etcd_server import EtcdServer, free_port
+from elastic_mnist.preflight import PERMANENT
+from elastic_mnist.rendezvous.status import read_rendezvous_status
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+render = load_render()
+REPO = Path(__file__).resolve().parents[2]
+RUN_FLAGS = ["--global-batch-size=64", "--checkpoint-every=10", "--log-every=10", "--collective-timeout=20"]
+DROPPED_ENV = ("ELASTIC_MNIST_ETCD_USER", "ELASTIC_MNIST_ETCD_PASSWORD_FILE")
+
+
+def rendered(variant: str) -> list[dict]:
+    """k8s/ as committed for the default; any other variant rendered from the sources."""
+    if variant == render.DEFAULT_OVERLAY:
+        return [d for docs in render.load_dir(REPO / "k8s").values() for d in docs]
+    return render.render(variant)
+
+
+class LocalPod:
+    """One pod of the trainer Job as processes: init containers in order, then the trainer container."""
+
+    def __init__(self, job: dict, index: int, root: Path, endpoint: str, mnist: str, uid: str, flags: list[str],
+                 dropped_env: tuple[str, ...] = ()):
+        self.job, self.index, self.root, self.endpoint, self.mnist, self.uid = job, index, root, endpoint, mnist, uid
+        self.flags, self.dropped_env = flags, dropped_env
+        self.tmp = root / f"pod-{index}-tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.log_path = root / f"pod-{index}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def _path(self, value: str) -> str:
+        for mount, local in (("/data/mnist", self.mnist), ("/data", str(self.root / "data")),
+                             ("/tmp", str(self.tmp)), ("/etc/elastic-mnist/etcd", str(self.root / "secret"))):
+            if under(value, mount):
+                return local + value[len(mount):]
+        return value
+
+    def _arg(self, arg: str) -> str:
+        name, sep, value = arg.partition("=")
+        if name == "--rdzv-endpoint":
+            return f"{name}={self.endpoint}"
+        if name == "--backend":
+            return "--backend=gloo"
+        return f"{name}={self._path(value)}" if sep else arg
+
+    def command(self, c: dict) -> tuple[list[str], dict[str, str]]:
+        kw = {"pod_name": f"trainer-{self.index}", "pod_ip": "127.0.0.1", "uid": self.uid}
+        args = [self._arg(a) for a in argv(self.job, c, **kw)] + self.flags
+        args[0] = shutil.which(args[0], path=str(Path(sys.executable).parent))
+        env = {k: self._path(v) for k, v in resolve_env(self.job, c, **kw).items() if k not in self.dropped_env}
+        env.update(JOB_COMPLETION_INDEX=str(self.index), TMPDIR=str(self.tmp))
+        return args, procs.child_env(**env)
+
+    def _popen(self, c: dict) -> subprocess.Popen:
+        args, env = self.command(c)
+        with open(self.log_path, "a") as log:
+            log.write(f"=== {c['name']}: {' '.join(args)}\n")
+            log.flush()
+            return subprocess.Popen(args, env=env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=procs.die_with_parent_preexec())
+
+    def start_init(self) -> subprocess.Popen:
+        (init,) = [c for c in pod_spec(self.job)["initContainers"] if c["name"] == "preflight"]
+        self.proc = self._popen(init)
+        return self.proc
+
+    def start_trainer(self) -> subprocess.Popen:
+        self.proc = self._popen(container(self.job, "trainer"))
+        return self.proc
+
+    def run(self, timeout: float = 300) -> tuple[int, str | None]:
+        """(exit code, the container that gave it): the kubelet's order, init first."""
+        code = self.start_init().wait(timeout)
+        if code != 0:
+            return code, "preflight"
+        return self.start_trainer().wait(timeout), "trainer"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def container_log(self, name: str) -> list[str]:
+        """The lines of the latest run of one container (what `kubectl logs -c NAME` shows)."""
+        section = self.log().split(f"=== {name}: ")[-1].split("\n=== ")[0]
+        return section.splitlines()[1:]
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            for pid in procs.descendants(self.proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+
+
+class Cluster:
+    """The pods of one Job object (one UID) against one etcd, with their shared /data."""
+
+    def __init__(self, variant: str, root: Path, server: EtcdServer, mnist: str, steps: int, pace: float = 0.0):
+        self.docs = rendered(variant)
+        self.job, self.root, self.server, self.mnist = trainer_job(self.docs), root, server, mnist
+        self.uid = str(uuid.uuid4())
+        self.flags = RUN_FLAGS + [f"--max-steps={steps}", f"--min-step-time={pace}"]
+        self.pods: list[LocalPod] = []
+        secret_dir = root / "secret"  # the Secret elastic-mnist-etcd, as mounted
+        secret_dir.mkdir(parents=True, exist_ok=True)
+        (secret_dir / "rdzv-secret").write_text(secrets.token_hex(32))
+        if server.auth:
+            shutil.copy(server.credential_file("job-password"), secret_dir / "job-password")
+        self.dropped_env = () if server.auth else DROPPED_ENV
+
+    def pod(self, index: int, endpoint: str | None = None) -> LocalPod:
+        p = LocalPod(self.job, index, self.root, endpoint or self.server.endpoint, self.mnist, self.uid, self.flags,
+                     self.dropped_env)
+        self.pods.append(p)
+        return p
+
+    def job_dir(self, kind: str) -> Path:
+        name = self.job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"]
+        return self.root / "data" / kind / name
+
+    def summary(self) -> dict:
+        return json.loads((self.job_dir("runs") / "summary.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- pod {p.index}\n{p.log()[-4000:]}" for p in self.pods)
+
+    def close(self) -> None:
+        for p in self.pods:
+            p.kill()
+
+
+def etcd_for(variant: str) -> EtcdServer:
+    """etcd configured like the variant's: the v2 API only for the legacy backend, which also has no auth."""
+    etcd = find(rendered(variant), "StatefulSet", "etcd")
+    v2 = resolve_env(etcd, container(etcd, "etcd"), pod_name="etcd-0")["ETCD_ENABLE_V2"] == "true"
+    return EtcdServer(enable_v2=v2, auth=None if v2 else True)
+
+
+def run_together(pods: list[LocalPod], timeout: float = 420) -> list[tuple[int, str]]:
+    """Start every pod's init container, then each trainer as its init container succeeds."""
+    for p in pods:
+        p.start_init()
+    results = [p.proc.wait(timeout) for p in pods]
+    if any(results):
+        return [(code, "preflight") for code in results]
+    for p in pods:
+        p.start_trainer()
+    return [(p.proc.wait(timeout), "trainer") for p in pods]
+
+
+def exits_0_at_once_saying(pod: LocalPod, marker: str) -> None:
+    """A pod that has nothing to do: exit 0 within 10 s, each container's log one line saying why."""
+    start = time.monotonic()
+    assert pod.run(timeout=60) == (0, "trainer"), pod.log()
+    assert time.monotonic() - start < 10, pod.log()
+    for name in ("preflight", "trainer"):
+        lines = pod.container_log(name)
+        assert [marker in line for line in lines].count(True) == 1, pod.log()
+    assert pod.container_log("trainer") == [l for l in pod.container_log("trainer") if marker in l], pod.log()
+
+
+@pytest.mark.parametrize("variant", [render.DEFAULT_OVERLAY, "legacy-etcd"])
+def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, small_mnist, tmp_path):
+    with etcd_for(variant) as server:
+        cluster = Cluster(variant, tmp_path, server, small_mnist, steps=20)
+        try:
+            results = run_together([cluster.pod(0), cluster.pod(1)])
+            assert results == [(0, "trainer"), (0, "trainer")], cluster.logs()
+            summary = cluster.summary()
+            assert summary["world_size"] == 2 and summary["global_step"] == 20, summary
+            assert json.loads((cluster.job_dir("checkpoints") / "finished.json").read_text())["step"] == 20
+
+            # A replacement pod, or a resize that came too late.
+            exits_0_at_once_saying(cluster.pod(2), "job already finished at step 20")
+            # Without the marker (a job that ended otherwise), the closed rendezvous says it.
+            (cluster.job_dir("checkpoints") / "finished.json").unlink()
+            exits_0_at_once_saying(cluster.pod(3), "is closed")
+        finally:
+            cluster.close()
+
+
+def test_b_missing_mnist_fails_the_job_before_torchrun_and_burns_nothing(small_mnist, tmp_path):
+    with etcd_for(render.DEFAULT_OVERLAY) as server:
+        missing = tmp_path / "mnist-later"
+        cluster = Cluster(render.DEFAULT_OVERLAY, tmp_path, server, str(missing), steps=10)
+        try:
+            first = cluster.pod(0)
+            assert first.run(timeout=60) == (PERMANENT, "preflight"), first.log()
+            failed = [line for line in first.log().splitlines() if "FAILED" in line]
+            assert len(failed) == 1 and "MNIST file" in failed[0] and "missing" in failed[0], first.log()
+            assert "torch.distributed.run" not in first.log()
+            # The rendezvous was never touched, so the same Job (the same rendezvous id) can still run.
+            state = read_rendezvous_status(server.endpoint, cluster.uid, "etcd-v3", read_timeout=5.0,
+                                           user="elastic-mnist",
+                                           password_file=str(server.credential_file("job-password")))
+            assert not state["found"], state
+            shutil.copytree(small_mnist, missing)
+            second = cluster.pod(1)
+            assert second.run(timeout=300) == (0, "trainer"), cluster.logs()
+            assert cluster.summary()["global_step"] == 10
+        finally:
+            cluster.close()
+
+
+def test_c_sigterm_during_start_up_ends_the_pod_within_its_grace_period(small_mnist, tmp_path):
+    with etcd_for(render.DEFAULT_OVERLAY) as server:
+        cluster = Cluster(render.DEFAULT_OVERLAY, tmp_path, server, small_mnist, steps=100000, pace=0.05)
+        grace = pod_spec(cluster.job)["terminationGracePeriodSeconds"]
+        try:
+            # The init container waiting for an etcd that is not up yet.
+            waiting = cluster.pod(0, endpoint=f"127.0.0.1:{free_port()}")
+            proc = waiting.start_init()
+            procs.wait_for(lambda: "etcd: waiting" in waiting.log(), 60, "preflight to wait for etcd")
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(grace) == 128 + signal.SIGTERM
+            assert time.monotonic() - start < 5, waiting.log()
+
+            # The trainer container while torchrun is still starting.
+            starting = cluster.pod(1)
+            proc = starting.start_trainer()
+            procs.wait_for(lambda: procs.children().get(proc.pid), 60, "torchrun to be started")
+            tree = procs.descendants(proc.pid)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(grace)
+            assert time.monotonic() - start < grace / 2, starting.log()
+            procs.wait_for(lambda: not any(procs.alive(p) for p in tree), 10, "the pod's processes to exit")
+        finally:
+            cluster.close()
+
+
+def test_d_etcd_restart_mid_run_is_ridden_out_on_the_default_backend(small_mnist, tmp_path):
+    with etcd_for(render.DEFAULT_OVERLAY) as server:
+        cluster = Cluster(render.DEFAULT_OVERLAY, tmp_path, server, small_mnist, steps=200, pace=0.05)
+        try:
+            pods = [cluster.pod(0), cluster.pod(1)]
+            assert [p.start_init().wait(120) for p in pods] == [0, 0], cluster.logs()
+            for p in pods:
+                p.start_trainer()
+            ckpts = cluster.job_dir("checkpoints")
+            procs.wait_for(lambda: any(s >= 40 for s, _ in list_checkpoints(str(ckpts))), 300, "step 40")
+            server.stop()
+            time.sleep(3)  # the outage under test: etcd down for 3 s (a drain or an upgrade), then back
+            at_restart = list_checkpoints(str(ckpts))[0][0]
+            server.restart()
+            codes = [p.proc.wait(300) for p in pods]
+            assert codes == [0, 0], cluster.logs()
+            assert at_restart < 200, "etcd must come back while the job is still training"
+            summary = cluster.summary()
+            assert summary["global_step"] == 200 and summary["world_size"] == 2, summary
+            # Ridden out, not recovered from: no worker was restarted into a new rendezvous round.
+            assert summary["restarts"] == 0, summary
+            assert all(p.proc.returncode == 0 and "restart 1" not in p.log() for p in pods), cluster.logs()
+        finally:
+            cluster.close()
