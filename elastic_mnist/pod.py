@@ -8,12 +8,14 @@ Takes torchrun's arguments word for word and adds what a pod needs around it:
     its workers start (PID 1 has no default signal actions), so a pod deleted during start-up sat out
     its whole grace period. Not tini: this process must understand the job anyway (below), and as
     PID 1 it reaps the orphans tini would (workers whose agent died).
-  - A pod that arrives after the job finished (a replacement, a late node) exits 0 with one line: from
-    the finished.json rank 0 writes, else from the closed rendezvous (torchrun would fail on it with
-    RendezvousClosedError on both backends, and a Job would count that as a failure).
+  - A pod that arrives after the job finished (a replacement, a late node) exits 0 with one line, from
+    the finished.json rank 0 writes. One that finds the rendezvous closed without it (a node gave up;
+    torchrun would fail with RendezvousClosedError on both backends, and every replacement again)
+    exits 78 with one line: the Job fails at once and a re-applied Job resumes from the checkpoint.
   - A completion index beyond --nnodes' maximum exits 78 (the Job's FailJob code): a 5th node would
     only wait and disturb every round.
-Exit: torchrun's code, 0 when the job already finished, 78 on a configuration mistake.
+Exit: torchrun's code, 0 when the job already finished, 78 on a configuration mistake or a closed
+rendezvous.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 
 from elastic_mnist import procs
 from elastic_mnist.errors import UserError
-from elastic_mnist.preflight import PERMANENT, Launch, already_done, parse_launch
+from elastic_mnist.preflight import PERMANENT, Launch, closed_line, finished_line, parse_launch
 
 
 class Forwarder:
@@ -57,6 +59,19 @@ def _wait(pid: int) -> int:
             return os.waitstatus_to_exitcode(status)
 
 
+def _verdict(launch: Launch, checkpoint_dir: str) -> int | None:
+    """Exit code (after one line) for a node that must not (re)join: 0 finished, 78 closed; else None."""
+    done = finished_line(checkpoint_dir)
+    if done:
+        print(f"elastic-mnist pod: {done}", flush=True)
+        return 0
+    ended = closed_line(launch)
+    if ended:
+        print(f"elastic-mnist pod: error: {ended}", flush=True)
+        return PERMANENT
+    return None
+
+
 def _index_error(launch: Launch) -> str | None:
     index = os.environ.get("JOB_COMPLETION_INDEX", "")
     if index.isdigit() and int(index) >= launch.max_nodes:
@@ -78,10 +93,9 @@ def run(argv: list[str]) -> int:
     if problem:
         print(f"elastic-mnist pod: error: {problem}", flush=True)
         return PERMANENT
-    done = already_done(launch, config.checkpoint_dir)
-    if done:
-        print(f"elastic-mnist pod: {done}", flush=True)
-        return 0
+    verdict = _verdict(launch, config.checkpoint_dir)
+    if verdict is not None:
+        return verdict
     if forwarder.received:
         return 128 + forwarder.received
     torchrun_args = argv[:argv.index("-m")]
@@ -92,10 +106,9 @@ def run(argv: list[str]) -> int:
     code = _wait(child.pid)
     child.returncode = code  # reaped by us: keep Popen from waiting again
     if code != 0 and forwarder.received is None:
-        done = already_done(launch, config.checkpoint_dir)
-        if done:
-            print(f"elastic-mnist pod: {done}", flush=True)
-            return 0
+        verdict = _verdict(launch, config.checkpoint_dir)
+        if verdict is not None:
+            return verdict
     return code if code >= 0 else 128 - code
 
 

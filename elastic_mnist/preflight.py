@@ -5,8 +5,9 @@
 
 The second form takes a pod's torchrun arguments word for word (the Kubernetes init container does).
 One line per check. Exit 0: all good, or the job already finished (nothing to do). Exit 78
-(PERMANENT): fix the configuration, retrying cannot help (the Job's podFailurePolicy fails the Job on
-it). Exit 75 (TRANSIENT): etcd still unreachable after --wait seconds of retrying with backoff.
+(PERMANENT): retrying cannot help: fix the configuration, or (rendezvous closed before the job
+finished) start a new Job; the Job's podFailurePolicy fails the Job on it. Exit 75 (TRANSIENT): etcd
+still unreachable after --wait seconds of retrying with backoff.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def finished_line(checkpoint_dir: str) -> str | None:
 
 
 def closed_line(launch: Launch) -> str | None:
-    """One line when the job's rendezvous is closed (the job ended), else None (also when unknown)."""
+    """One line when the job's rendezvous is closed, else None (also when unknown). Without the finished
+    marker that means a node gave up (torchrun closes the rendezvous when it runs out of restarts): no
+    node of this Job can join any more, and only a new Job (a new rendezvous id) resumes."""
     if not launch.run_id:
         return None
     try:
@@ -98,13 +101,8 @@ def closed_line(launch: Launch) -> str | None:
         return None
     if status.get("phase") != "closed":
         return None
-    return (f"job already ended: rendezvous {launch.run_id} is closed (no finished.json: it ended without "
-            "completing, see the other pods' logs); nothing to do, a new run needs a new Job")
-
-
-def already_done(launch: Launch, checkpoint_dir: str) -> str | None:
-    """Why a node arriving now has nothing to do (the job finished or its rendezvous is closed), or None."""
-    return finished_line(checkpoint_dir) or closed_line(launch)
+    return (f"rendezvous {launch.run_id} is closed but the job did not finish (no finished.json): a node gave "
+            "up, see the failed pods' logs; delete and re-apply the Job to resume from the newest checkpoint")
 
 
 def check_data(config) -> str:
@@ -216,7 +214,8 @@ def _wait_for_etcd(launch: Launch, say) -> int:
             say(f"preflight: etcd: ok: {check_etcd(launch)}")
             ended = closed_line(launch)
             if ended:
-                say(f"preflight: {ended}")
+                say(f"preflight: rendezvous: FAILED (permanent, exit {PERMANENT}): {ended}")
+                return PERMANENT
             return 0
         except Permanent as e:
             say(f"preflight: etcd: FAILED (permanent, exit {PERMANENT}): {e}")
