@@ -5,7 +5,8 @@ death or freeze inside the data collective or inside the control agreement, whic
 
 kind: stop (SIGSTOP, a frozen machine) or kill (SIGKILL); at: data (before the step's forward pass, so
 its peers wait in the gradient all-reduce) or control (after the optimizer step, so its peers wait in the
-per-step agreement). Fires once per process. Unset in production: nothing happens.
+per-step agreement). Fires once, and only in a process that trained a step before that point (a worker
+restarted at that step does not fire again). Unset in production: nothing happens.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ def parse(text: str) -> dict | None:
 
 
 class FaultPoints:
-    def __init__(self, rank: int, text: str | None = None):
+    def __init__(self, rank: int, start_step: int, text: str | None = None):
         self.fault = parse(os.environ.get(VARIABLE, "") if text is None else text)
-        self.rank = rank
+        self.rank, self.start_step = rank, start_step
 
     def reach(self, at: str, step: int) -> None:
         f = self.fault
-        if f is not None and f["rank"] == self.rank and f["step"] == step and f["at"] == at:
+        if f is not None and (f["rank"], f["step"], f["at"]) == (self.rank, step, at) and step > self.start_step:
             self.fault = None
             print(f"[fault] {f['kind']} at step {step} ({at})", flush=True)
             os.kill(os.getpid(), _SIGNALS[f["kind"]])

@@ -8,6 +8,7 @@ save instead of assembling checkpoints itself.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -67,7 +68,7 @@ class Trainer:
         self.device = next(self.model.parameters()).device
         self.throughput = Throughput()
         self.stopped_early = self.superseded = False
-        self.faults = FaultPoints(env.rank)
+        self.faults = FaultPoints(env.rank, self.progress.step)
         # Held while the optimizer step and the step counter change: outside it, model, optimizer and
         # step agree, so the peer watch may save them from its own thread while this one is blocked.
         self._state_lock = threading.Lock()
@@ -104,6 +105,7 @@ class Trainer:
             self.faults.reach("data", self.progress.step)
             loss_sum, idx = self.forward_backward(self.progress.step)
             with self._state_lock:
+                self._set_lr(self.progress.step)
                 self.optimizer.step()
                 # Counted at once: from here on, model, optimizer and step agree, so a failure in any
                 # later collective still leaves a consistent state to save.
@@ -120,6 +122,15 @@ class Trainer:
                 break
             self._pace(t0)
         return self._finish()
+
+    def _set_lr(self, step: int) -> None:
+        """The learning rate is a function of the step alone, so a resumed or resized run follows the
+        same schedule as an uninterrupted one (nothing extra to checkpoint)."""
+        lr = self.config.lr
+        if self.config.lr_schedule == "cosine":
+            lr *= 0.5 * (1 + math.cos(math.pi * min(step, self.total_steps) / self.total_steps))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _leave(self) -> None:
         self.stopped_early = True

@@ -12,7 +12,7 @@ import pytest
 
 from elastic_mnist import procs, snapshots
 from elastic_mnist.config import TrainConfig
-from tests.conftest import REPO
+from conftest import REPO
 
 
 def _run_dir(root, name: str, mb: int, age_s: float):

@@ -1,0 +1,72 @@
+"""A few torchrun nodes of one elastic job, started as real processes against a real etcd: what the
+parent-death and peer-loss tests drive directly (the chaos tests go through `elastic-mnist local`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections import Counter
+
+from elastic_mnist import checkpoint, procs, torchrun_settings
+from elastic_mnist.runlog import read_records
+
+
+class Job:
+    """`start()` again is what a kubelet does after a crash: same id, same flags."""
+
+    def __init__(self, tmp_path, data_dir: str, endpoint: str, backend: str, max_steps: int, *extra: str,
+                 nodes: int = 2, min_nodes: int = 2, env: dict | None = None):
+        self.tmp, self.endpoint, self.backend, self.max_steps = tmp_path, endpoint, backend, max_steps
+        self.nodes, self.min_nodes, self.env = nodes, min_nodes, env or {}
+        self.run_id = f"job-{os.getpid()}-{tmp_path.name}"[:60]
+        self.train_args = [
+            f"--data-dir={data_dir}", f"--checkpoint-dir={tmp_path / 'ckpt'}", f"--log-dir={tmp_path / 'runs'}",
+            f"--sample-log={tmp_path / 'samples'}", f"--max-steps={max_steps}", "--checkpoint-every=0",
+            "--snapshot-every=0", "--min-step-time=0.1", "--log-every=10", "--collective-timeout=60", *extra]
+        self.agents: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes)
+        for i in range(self.nodes):
+            log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
+            self.agents.append(subprocess.Popen(procs.torchrun_command(targs, self.train_args), stdout=log,
+                                                stderr=subprocess.STDOUT, env=procs.child_env(**self.env),
+                                                start_new_session=True, preexec_fn=procs.die_with_parent_preexec()))
+            log.close()
+
+    def latest_step(self) -> int:
+        return max((r["step"] for r in read_records(str(self.tmp / "samples"))), default=-1)
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in read_records(str(self.tmp / "runs" / "events")) if e["event"] == kind]
+
+    def workers(self) -> list[int]:
+        return [pid for a in self.agents[-self.nodes:] for pid in procs.descendants(a.pid) if pid != a.pid]
+
+    def newest_checkpoint_step(self) -> int:
+        found = checkpoint.list_checkpoints(str(self.tmp / "ckpt"))
+        return found[0][0] if found else -1
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp.glob("node*.log")))
+
+    def finish(self, timeout: float = 300) -> None:
+        for a in self.agents[-self.nodes:]:
+            assert a.wait(timeout=timeout) == 0, self.logs()
+        assert checkpoint.read_finished(str(self.tmp / "ckpt"))["step"] == self.max_steps
+
+    def redone_steps(self) -> int:
+        """Steps that rank 0 trained more than once (one record per step per worker process)."""
+        counts = Counter(r["step"] for r in read_records(str(self.tmp / "samples")) if r["rank"] == 0)
+        assert sorted(counts) == list(range(self.max_steps)), "every step of the plan was trained"
+        return sum(n - 1 for n in counts.values())
+
+    def kill_all(self) -> None:
+        for a in self.agents:
+            for pid in procs.descendants(a.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            a.wait()
