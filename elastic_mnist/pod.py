@@ -59,9 +59,9 @@ def _wait(pid: int) -> int:
             return os.waitstatus_to_exitcode(status)
 
 
-def _verdict(launch: Launch, checkpoint_dir: str) -> int | None:
+def _verdict(launch: Launch, config) -> int | None:
     """Exit code (after one line) for a node that must not (re)join: 0 finished, 78 closed; else None."""
-    done = finished_line(checkpoint_dir)
+    done = finished_line(config.checkpoint_dir, config.max_steps)
     if done:
         print(f"elastic-mnist pod: {done}", flush=True)
         return 0
@@ -93,7 +93,7 @@ def run(argv: list[str]) -> int:
     if problem:
         print(f"elastic-mnist pod: error: {problem}", flush=True)
         return PERMANENT
-    verdict = _verdict(launch, config.checkpoint_dir)
+    verdict = _verdict(launch, config)
     if verdict is not None:
         return verdict
     if forwarder.received:
@@ -106,7 +106,7 @@ def run(argv: list[str]) -> int:
     code = _wait(child.pid)
     child.returncode = code  # reaped by us: keep Popen from waiting again
     if code != 0 and forwarder.received is None:
-        verdict = _verdict(launch, config.checkpoint_dir)
+        verdict = _verdict(launch, config)
         if verdict is not None:
             return verdict
     return code if code >= 0 else 128 - code

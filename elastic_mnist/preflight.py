@@ -73,12 +73,13 @@ def parse_launch(argv: list[str]) -> Launch:
                   int(ns.nnodes.split(":")[-1]), rest if train is None else train, ns.wait)
 
 
-def finished_line(checkpoint_dir: str) -> str | None:
-    """One line saying the job already finished, from the marker rank 0 writes at the end, or None."""
+def finished_line(checkpoint_dir: str, max_steps: int = 0) -> str | None:
+    """One line saying the job already finished, from the marker rank 0 writes at the end, or None.
+    A larger --max-steps than the marker's step means "train further": not finished."""
     from elastic_mnist.checkpoint import read_finished  # imports torch: only once the flags are good
 
     record = read_finished(checkpoint_dir)
-    if record is None:
+    if record is None or (max_steps and max_steps > int(record["step"])):
         return None
     total = f"/{record['total_steps']}" if record.get("total_steps") else ""
     acc = f", test accuracy {record['test_accuracy']:.4f}" if record.get("test_accuracy") is not None else ""
@@ -194,7 +195,7 @@ def run_checks(launch: Launch, say=print) -> int:
     except (UserError, SystemExit) as e:
         say(f"preflight: flags: FAILED: {e if isinstance(e, UserError) else 'see the usage error above'}")
         return PERMANENT
-    done = finished_line(config.checkpoint_dir)
+    done = finished_line(config.checkpoint_dir, config.max_steps)
     if done:
         say(f"preflight: {done}")
         return 0

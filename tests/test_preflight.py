@@ -122,6 +122,9 @@ def test_a_finished_job_needs_nothing_else(tmp_path):
     # No data, no etcd: none of it matters any more.
     code, lines = checks(launch_for("127.0.0.1:1", str(tmp_path / "nowhere"), ckpt))
     assert code == 0 and len(lines) == 1 and "job already finished at step 900/900" in lines[0], lines
+    # Asked to train further: the checks run (and here find no data).
+    code, lines = checks(launch_for("127.0.0.1:1", str(tmp_path / "nowhere"), ckpt, "--max-steps=2000"))
+    assert code == PERMANENT and "data: FAILED" in lines[0], lines
 
 
 def test_the_command_exits_with_the_permanent_code(tmp_path):
