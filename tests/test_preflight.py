@@ -83,6 +83,14 @@ def test_nccl_without_a_gpu_is_permanent(small_mnist, tmp_path):
     assert code == PERMANENT and "no CUDA device" in failed(lines)[0], lines
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_with_a_gpu_passes_the_device_check(small_mnist, tmp_path, etcd_server_v3only):
+    launch = launch_for(etcd_server_v3only.endpoint, small_mnist, tmp_path / "ckpt", "--backend=nccl")
+    code, lines = checks(launch)
+    assert code == 0 and "CUDA device(s)" in lines[2], lines
+
+
 def test_bad_train_flags_are_permanent(tmp_path):
     code, lines = checks(launch_for("127.0.0.1:1", "data", tmp_path, "--max-steps=-3"))
     assert code == PERMANENT and lines[0].startswith("preflight: flags: FAILED"), lines
