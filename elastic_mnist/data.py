@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from elastic_mnist import mnist_cache
 from elastic_mnist.errors import UserError
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -58,28 +59,50 @@ def dataset_fingerprint(dataset) -> str:
     return f"{len(dataset)}:{digest}"
 
 
-def load_split(root: str, train: bool, download: bool = False) -> Split:
+def load_split(root: str, train: bool, download: bool = False, cache_dir: str | Path | None = None) -> Split:
     """Decode MNIST once into tensors (no PIL/ToTensor per sample as in the seed).
 
     The raw IDX files are read directly when present: importing torchvision costs ~1-2 s, paid again by
-    every worker on every membership change. torchvision's MNIST remains the path that downloads (and
-    reports a missing data set); tests check both paths give identical tensors.
+    every worker on every membership change. The normalized tensors are cached in a memory-mapped file
+    checked against the raw files (mnist_cache.py), so a restart maps them instead of decoding again.
+    torchvision's MNIST remains the path that downloads (and reports a missing data set).
     """
     raw = Path(root) / "MNIST" / "raw"
     paths = [raw / RAW_FILES[(train, kind)] for kind in ("images", "labels")]
     try:
         if all(p.is_file() for p in paths):
-            images, labels = read_idx(paths[0]), read_idx(paths[1])
-        else:
-            images, labels = _load_with_torchvision(root, train, download)
+            return _load_cached(raw, paths, train, cache_dir)
+        images, labels = _load_with_torchvision(root, train, download)
     except RuntimeError as e:
         raise UserError(
             f"MNIST not found under {raw} ({e}). Point --data-dir (or $ELASTIC_MNIST_DATA_DIR) at a "
             "directory holding MNIST/raw/*-ubyte, or add --download") from None
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read MNIST under {raw}: {e}; check --data-dir and its files") from None
-    flat = images.reshape(len(images), -1).float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD)
-    return Split(flat.contiguous(), labels.long())
+    return Split(normalize(images.reshape(len(images), -1)), labels.long())
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels [N, 784] -> float32 with MNIST's mean and std, as the seed's transforms do."""
+    return images.float().div_(255).sub_(MNIST_MEAN).div_(MNIST_STD).contiguous()
+
+
+def _load_cached(raw: Path, paths: list[Path], train: bool, cache_dir: str | Path | None) -> Split:
+    """The mapped cache when a valid one exists; else decode and try to publish one for the next start."""
+    name = mnist_cache.cache_name(raw, train)
+    places = mnist_cache.candidate_dirs(raw, cache_dir)
+    for place in places:
+        hit = mnist_cache.open_cached(place / name, paths, MNIST_MEAN, MNIST_STD)
+        if hit is not None:
+            return Split(*hit)
+    images, labels = read_idx(paths[0]), read_idx(paths[1])
+    if len(images) != len(labels):
+        raise ValueError(f"{paths[0].name} holds {len(images)} images but {paths[1].name} {len(labels)} labels")
+    split = Split(normalize(images.reshape(len(images), -1)), labels.long())
+    for place in places:  # the first writable place wins; none writable: no cache, same tensors
+        if mnist_cache.write_cache(place, name, split.images, split.labels, paths) is not None:
+            break
+    return split
 
 
 def _load_with_torchvision(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:

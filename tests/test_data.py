@@ -100,3 +100,91 @@ def test_global_batch_smaller_than_the_world_is_refused():
     TrainConfig(global_batch_size=4).check_world_size(4)
     with pytest.raises(UserError, match="smaller than the world size 5"):
         TrainConfig(global_batch_size=4).check_world_size(5)
+
+
+# The decoded-split cache (mnist_cache.py): a restart maps the tensors instead of decoding them again.
+
+def _cache_files(directory):
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def _fresh_decode(root, train=True):
+    from elastic_mnist.data import RAW_FILES, normalize, read_idx
+
+    raw = root / "MNIST" / "raw"
+    images = read_idx(raw / RAW_FILES[(train, "images")])
+    return normalize(images.reshape(len(images), -1)), read_idx(raw / RAW_FILES[(train, "labels")]).long()
+
+
+def test_second_load_maps_the_cache_and_gives_the_same_tensors(tmp_path, monkeypatch):
+    from elastic_mnist import data
+
+    root = write_synthetic_mnist(tmp_path / "data", n_train=300, n_test=50)
+    cache = tmp_path / "cache"
+    first = load_split(str(root), True, cache_dir=cache)
+    names = _cache_files(cache)
+    assert len(names) == 1 and names[0].startswith("mnist-train-") and names[0].endswith(".bin")  # no temp left
+    images, labels = _fresh_decode(root)
+
+    def no_decode(path):
+        raise AssertionError(f"decoded {path} although a valid cache exists")
+
+    monkeypatch.setattr(data, "read_idx", no_decode)
+    second = load_split(str(root), True, cache_dir=cache)
+    for split in (first, second):
+        assert torch.equal(split.images, images) and torch.equal(split.labels, labels)
+
+
+def test_default_cache_lives_beside_the_data(tmp_path, monkeypatch):
+    monkeypatch.delenv("ELASTIC_MNIST_CACHE_DIR", raising=False)
+    root = write_synthetic_mnist(tmp_path / "data", n_train=100, n_test=20)
+    load_split(str(root), False)
+    assert [n[:11] for n in _cache_files(root / "MNIST" / "cache")] == ["mnist-test-"]
+
+
+def _damage(path, how):
+    blob = bytearray(path.read_bytes())
+    if how == "truncated":
+        blob = blob[:len(blob) - 1000]
+    elif how == "payload":  # every image row zeroed, size and header intact
+        blob[4096:4096 + 300 * 784 * 4] = bytes(300 * 784 * 4)
+    elif how == "labels":
+        blob[-8:] = (99).to_bytes(8, "little")
+    else:
+        blob[:20] = b"\x00garbage header\xff\xfe\x00"
+    path.write_bytes(bytes(blob))
+
+
+def test_a_corrupt_cache_is_ignored_and_rebuilt(tmp_path):
+    import pytest
+
+    root = write_synthetic_mnist(tmp_path / "data", n_train=300, n_test=50)
+    cache = tmp_path / "cache"
+    images, labels = _fresh_decode(root)
+    load_split(str(root), True, cache_dir=cache)
+    path = cache / _cache_files(cache)[0]
+    for how in ("truncated", "payload", "labels", "header"):
+        _damage(path, how)
+        split = load_split(str(root), True, cache_dir=cache)
+        assert torch.equal(split.images, images) and torch.equal(split.labels, labels), how
+        assert load_split(str(root), True, cache_dir=cache).images.sum() == pytest.approx(images.sum().item()), how
+
+
+def test_a_stale_cache_is_rebuilt_when_the_raw_files_change(tmp_path):
+    root = write_synthetic_mnist(tmp_path / "data", n_train=200, n_test=40, seed=0)
+    cache = tmp_path / "cache"
+    old = load_split(str(root), True, cache_dir=cache)
+    write_synthetic_mnist(root, n_train=200, n_test=40, seed=1)  # same size, different content
+    new = load_split(str(root), True, cache_dir=cache)
+    images, labels = _fresh_decode(root)
+    assert not torch.equal(old.labels, new.labels)
+    assert torch.equal(new.images, images) and torch.equal(new.labels, labels)
+
+
+def test_no_writable_cache_place_still_loads(tmp_path):
+    root = write_synthetic_mnist(tmp_path / "data", n_train=100, n_test=20)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory would go")
+    split = load_split(str(root), True, cache_dir=blocker / "cache")
+    images, _ = _fresh_decode(root)
+    assert torch.equal(split.images, images) and blocker.read_text().startswith("a file")
