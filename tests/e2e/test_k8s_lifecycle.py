@@ -194,7 +194,7 @@ def exits_0_at_once_saying(pod: LocalPod, marker: str) -> None:
     assert pod.container_log("trainer") == [l for l in pod.container_log("trainer") if marker in l], pod.log()
 
 
-@pytest.mark.parametrize("variant", [render.DEFAULT_OVERLAY, "legacy-etcd"])
+@pytest.mark.parametrize("variant", [render.DEFAULT_OVERLAY, "legacy-etcd"], ids=["k8s-default", "legacy-etcd"])
 def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, small_mnist, tmp_path):
     with etcd_for(variant) as server:
         cluster = Cluster(variant, tmp_path, server, small_mnist, steps=20)
@@ -279,7 +279,7 @@ def test_c_sigterm_during_start_up_ends_the_pod_within_its_grace_period(small_mn
             cluster.close()
 
 
-@pytest.mark.parametrize("variant", [render.DEFAULT_OVERLAY, "legacy-etcd"])
+@pytest.mark.parametrize("variant", [render.DEFAULT_OVERLAY, "legacy-etcd"], ids=["k8s-default", "legacy-etcd"])
 def test_d_etcd_restart_mid_run(variant, small_mnist, tmp_path):
     """Default backend: training rides the restart out. torch's legacy backend: every agent exits (its
     monitor loop has no retry); the Job's replacement pods resume from the newest checkpoint."""
