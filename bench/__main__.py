@@ -1,12 +1,13 @@
 """The benchmark suite: throughput, checkpoint overhead, recovery, time to accuracy (and GPU when present).
 
-    python -m bench --data-dir ../shared/data --update-readme      # full: 15-25 min on 2 cores
+    python -m bench --data-dir ../shared/data --update-docs        # full: 15-25 min on 2 cores
     python -m bench --quick --out /tmp/bench                        # ~2 min, small generated data set
     elastic-mnist bench --quick --out /tmp/bench                    # the same through the CLI
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
-OUT/table.md (generated from results.json); --update-readme also puts the table into README.md
+OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
 between `<!-- bench:start -->` and `<!-- bench:end -->` when both markers are there.
+docs/benchmarks.md says what each section measures.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
 DEFAULT_OUT = REPO / "bench" / "results"
+DOCS = REPO / "docs" / "benchmarks.md"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats in full mode (default 3)")
     p.add_argument("--work-dir", default="", help="scratch for run dirs and checkpoints (default: a temp dir)")
     p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs of every run)")
-    p.add_argument("--update-readme", action="store_true", help="rewrite README.md between the bench markers")
+    p.add_argument("--update-docs", action="store_true",
+                   help=f"rewrite {DOCS.relative_to(REPO)} between the bench markers")
     return p
 
 
@@ -97,19 +100,18 @@ def commands(obj) -> list[str]:
     return []
 
 
-def write_outputs(results: dict, out: Path, update_readme: bool) -> None:
+def write_outputs(results: dict, out: Path, update_docs: bool, docs: Path = DOCS) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results["plots"] = plots.draw_all(results, out)
     (out / "results.json").write_text(json.dumps(_finite(results), indent=2) + "\n")
     (out / "table.md").write_text(report.render(results))
     log(f"wrote {out / 'results.json'}, {out / 'table.md'} and {', '.join(results['plots'])}")
-    if update_readme:
-        readme = REPO / "README.md"
-        prefix = os.path.relpath(out, readme.parent) + "/"
-        if report.update_readme(readme, report.render(results, image_prefix=prefix)):
-            log(f"updated {readme} between the bench markers")
+    if update_docs:
+        prefix = os.path.relpath(out, docs.parent) + "/"
+        if report.update_between_markers(docs, report.render(results, image_prefix=prefix)):
+            log(f"updated {docs} between the bench markers")
         else:
-            log(f"{readme} has no {report.START} ... {report.END} markers: left unchanged")
+            log(f"{docs} has no {report.START} ... {report.END} markers: left unchanged")
 
 
 def _finite(obj):
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "(measured code CHANGED during the run)")
         results.update(finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), wall_s=round(time.time() - started, 1))
         results["commands"] = commands({k: v for k, v in results.items() if k != "commands"})
-        write_outputs(results, Path(args.out), args.update_readme)
+        write_outputs(results, Path(args.out), args.update_docs)
     except BenchError as e:
         log(f"error: {e}")
         return 1

@@ -105,12 +105,29 @@ def test_targets_are_judged(quick):
     assert (gpu is None) == (not torch.cuda.is_available())
 
 
-def test_readme_markers_are_replaced_only_when_present(tmp_path):
-    from bench.report import END, START, update_readme
+def test_doc_markers_are_replaced_only_when_present(tmp_path):
+    from bench.report import END, START, update_between_markers
 
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n")
-    assert not update_readme(readme, "table\n") and readme.read_text() == "# x\n"
-    readme.write_text(f"# x\n{START}\nold\n{END}\ntail\n")
-    assert update_readme(readme, "new table\n")
-    assert readme.read_text() == f"# x\n{START}\nnew table\n{END}\ntail\n"
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# x\n")
+    assert not update_between_markers(doc, "table\n") and doc.read_text() == "# x\n"
+    doc.write_text(f"# x\n{START}\nold\n{END}\ntail\n")
+    assert update_between_markers(doc, "new table\n")
+    assert doc.read_text() == f"# x\n{START}\nnew table\n{END}\ntail\n"
+
+
+def test_update_docs_writes_the_table_into_docs_benchmarks(tmp_path):
+    """--update-docs: the committed results rendered into the doc between its markers, images relative to it."""
+    from bench.__main__ import DOCS, build_parser, write_outputs
+    from bench.report import END, START
+
+    assert build_parser().parse_args(["--update-docs"]).update_docs
+    assert START in DOCS.read_text() and END in DOCS.read_text(), "docs/benchmarks.md keeps both markers"
+    results = json.loads((REPO / "bench" / "results" / "results.json").read_text())
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# Benchmarks\nhow to run\n{START}\nOLD-TABLE\n{END}\nafter\n")
+    write_outputs(results, tmp_path / "out", True, docs=doc)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\nhow to run\n") and text.endswith(f"{END}\nafter\n") and "OLD-TABLE" not in text
+    assert "### Recovery" in text and "![recovery.png](../out/recovery.png)" in text

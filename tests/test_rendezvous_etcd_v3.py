@@ -366,3 +366,53 @@ def test_a_crashed_jobs_state_never_blocks_a_new_job_id(etcd_server_v3only: Etcd
     finally:
         crashed.kill()
         crashed.wait()
+
+
+def _open_round(round_: int, participants: list[str], heartbeats: dict[str, float]):
+    """torch's own _RendezvousState: an open round with a last-call deadline 60 s away."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    now = datetime.now(timezone.utc)
+    state = _RendezvousState()
+    state.round, state.deadline = round_, now + timedelta(seconds=60)
+    nodes = {name: _NodeDesc("10.0.0.1", i, 0) for i, name in enumerate(sorted(heartbeats))}
+    state.participants = {nodes[n]: 0 for n in participants}
+    state.last_heartbeats = {nodes[n]: now - timedelta(seconds=age) for n, age in heartbeats.items()}
+    return state
+
+
+@pytest.mark.parametrize("round_, participants, heartbeats, closes", [
+    (1, ["a"], {"a": 0}, True),                 # the lone survivor: nobody else to wait for
+    (1, ["a"], {"a": 0, "dead": 9}, True),      # a heartbeat older than the window is nobody
+    (1, ["a"], {"a": 0, "waiting": 0.5}, False),  # a live node not yet in: its last call stays
+    (0, ["a"], {"a": 0}, False),                # cold start: how many are coming is unknown
+])
+def test_last_call_is_skipped_only_when_every_live_node_is_in(round_, participants, heartbeats, closes) -> None:
+    from elastic_mnist.rendezvous.etcd_v3 import close_when_everyone_is_in
+
+    bits = pickle.dumps(_open_round(round_, participants, heartbeats))
+    seen = pickle.loads(close_when_everyone_is_in(bits, timedelta(seconds=3)))
+    assert (seen.deadline < datetime.now(timezone.utc)) is closes
+
+
+def test_survivor_completes_its_round_without_the_last_call(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+    """last_call_timeout=60: without the shortcut the survivor's round would take a minute."""
+    server, run_id = etcd_server_v3only, "no-last-call"
+    b = subprocess.Popen([sys.executable, "-c", AGENT_B, server.endpoint, run_id], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for_state(server, run_id, lambda state: len(state.participants) == 1)
+        a = get_rendezvous_handler(rdzv_params(server.endpoint, run_id, 1, 2, **{**FAST, "last_call_timeout": 60}))
+        assert a.next_rendezvous().world_size == 2
+        b.send_signal(signal.SIGKILL)
+        b.wait()
+        started = time.monotonic()
+        info = a.next_rendezvous()
+        elapsed = time.monotonic() - started
+        window = FAST["keep_alive_interval"] * FAST["keep_alive_max_attempt"]
+        assert (info.rank, info.world_size) == (0, 1)
+        assert elapsed < window + 4, f"survivor's round took {elapsed:.1f}s (keep-alive window {window}s)"
+        a.shutdown()
+    finally:
+        b.kill()
+        b.wait()

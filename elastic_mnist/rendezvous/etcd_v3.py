@@ -38,8 +38,10 @@ unpickler always, an HMAC with secret_file. A refused state is ONE error, printe
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed import Store
@@ -75,6 +77,7 @@ BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "secret_file", *CONNE
 # dynamic backends we ignore it: the join deadline is join_timeout.
 TORCHRUN_KEYS = ("timeout",)
 VALID_KEYS = frozenset(HANDLER_KEYS + BACKEND_KEYS + TORCHRUN_KEYS)
+EVERYONE_IS_IN = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a last-call deadline already passed
 
 
 class EtcdV3ConfigError(ValueError, UserError):
@@ -166,21 +169,24 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     Every state read is checked (`unseal`) before torch sees it; with a secret, every write is sealed."""
 
     def __init__(self, client: EtcdV3Client, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
-                 lease: LeaseKeeper | None = None, secret: bytes | None = None) -> None:
+                 lease: LeaseKeeper | None = None, secret: bytes | None = None,
+                 keep_alive_window: timedelta | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
+        self._window = keep_alive_window
         self._lease = lease or LeaseKeeper(client, 0)
         self._secret = secret
         self.key = run_key(key_prefix, run_id, "state")
 
     def _checked(self, stored: bytes) -> bytes:
         try:
-            return unseal(self._secret, self.key, stored)
+            state_bits = unseal(self._secret, self.key, stored)
         except StateIntegrityError as exc:
             error = EtcdV3StateError(str(exc))
             report(error)
             raise error from None
+        return state_bits if self._window is None else close_when_everyone_is_in(state_bits, self._window)
 
     @property
     def name(self) -> str:
@@ -214,6 +220,26 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._checked(value), int(meta.mod_revision), bool(succeeded)
 
 
+def close_when_everyone_is_in(state_bits: bytes, window: timedelta) -> bytes:
+    """The state as torch should see it: an open round (after the first) whose participants are every
+    node with a live heartbeat gets its last-call deadline moved to the past, so the next node to look
+    completes it at once instead of waiting last_call_timeout for nobody.
+
+    Nodes in the wait or redundancy list, or joining (they all heartbeat), keep the round open as
+    before; a dead node's heartbeat counts until it is older than the keep-alive window, as in torch's
+    _sanitize. Round 0 keeps its last call: on a cold start nobody knows how many nodes are coming.
+    `state_bits` were checked by `unseal`, so they name only the rendezvous state's own classes."""
+    state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
+    if state.complete or state.closed or state.round == 0 or state.deadline is None or not state.participants:
+        return state_bits
+    oldest = datetime.now(timezone.utc) - window
+    alive = {node for node, beat in state.last_heartbeats.items() if beat >= oldest}
+    if not alive <= set(state.participants):
+        return state_bits
+    state.deadline = EVERYONE_IS_IN
+    return pickle.dumps(state)
+
+
 def with_tuned_defaults(params: RendezvousParameters) -> RendezvousParameters:
     """A copy of params where every key of RDZV_CONF["etcd-v3"] that the user did not give is filled in."""
     config = {**RDZV_CONF[BACKEND_NAME], **params.config}
@@ -226,7 +252,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     settings = parse_settings(params)
     client = EtcdV3Client(settings.connection, error_type=EtcdV3ConnectionError)
     lease = LeaseKeeper(client, settings.lease_ttl)
-    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret)
+    window = timedelta(seconds=_int_option(params, "keep_alive_interval", 5)
+                       * _int_option(params, "keep_alive_max_attempt", 3))  # torch's defaults
+    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret, window)
     store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease)
     try:
         backend.get_state()  # reachability, TLS, credentials and read permission in one round trip
