@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from bench.runner import BenchError, Runner, log, python_m, ratio, shown
-from bench.settings import Settings
+from bench.runner import BenchError, Runner, log, python_m, ratio, shown, spread
+from bench.settings import REPEATED_SCENARIOS, Settings
 
 BREAKDOWN = ("detection_s", "rendezvous_s", "imports_s", "resume_s", "first_step_s")
 
@@ -50,30 +50,55 @@ def _event(e: dict, cold_start: float | None) -> dict:
     return out
 
 
+def repeats(s: Settings, name: str, backend: str) -> int:
+    return s.recovery_repeats if name in REPEATED_SCENARIOS and backend == "etcd-v3" else 1
+
+
 def measure_recovery(runner: Runner, s: Settings) -> dict:
-    """Each scenario on each backend; backends alternate so neither always runs on a quieter machine."""
+    """Each scenario on each backend; backends alternate so neither always runs on a quieter machine,
+    and the repeats of a scenario are interleaved across backends for the same reason."""
     results = []
     for i, name in enumerate(s.scenarios):
         backends = s.backends if i % 2 == 0 else s.backends[::-1]
-        for backend in backends:
-            nodes, chaos, steps = scenario(name, s)
-            log(f"recovery: {name} on {backend} ({nodes} node(s), chaos {chaos!r}, {steps} steps) ...")
-            # Paced steps so the fault lands mid-run; a 10 s collective timeout bounds a freeze's detection.
-            train = ["--max-steps", str(steps), "--min-step-time", "0.05", "--collective-timeout", "10"]
-            run = run_local(runner, s, f"recovery-{name}-{backend}", nodes, 2, chaos, train, backend)
-            rep = run["report"]
-            rec = {"scenario": name, "backend": backend, "nodes": nodes, "max_nodes": 2, "chaos": chaos,
-                   "cold_start_s": rep.get("cold_start_s"), "orphans": rep.get("orphans"),
-                   "final_step": (rep.get("summary") or {}).get("global_step"), "max_steps": steps,
-                   "events": [_event(e, rep.get("cold_start_s")) for e in rep.get("events", [])],
-                   **{k: run[k] for k in ("exit_code", "wall_s", "load_avg", "command")}}
-            results.append(rec)
-            for e in rec["events"]:
-                log(f"  {name}/{backend} {e['kind']}: world {e['world_size_before']}->{e['world_size_after']}, "
-                    f"recovery {_s(e['recovery_s'])} (cold start {_s(rec['cold_start_s'])}), "
-                    f"steps redone {e['steps_redone']}, breakdown {e['breakdown']}")
+        for repeat in range(max(repeats(s, name, b) for b in backends)):
+            for backend in (b for b in backends if repeat < repeats(s, name, b)):
+                results.append(_recovery_run(runner, s, name, backend, repeat))
     return {"max_steps": s.recovery_steps, "fault_step": s.fault_step, "min_step_time_s": 0.05,
-            "collective_timeout_s": 10, "runs": results}
+            "collective_timeout_s": 10, "runs": results, "summary": summarize(results)}
+
+
+def _recovery_run(runner: Runner, s: Settings, name: str, backend: str, repeat: int) -> dict:
+    nodes, chaos, steps = scenario(name, s)
+    log(f"recovery: {name} on {backend} #{repeat + 1} ({nodes} node(s), chaos {chaos!r}, {steps} steps) ...")
+    # Paced steps so the fault lands mid-run; a 10 s collective timeout bounds a freeze's detection.
+    train = ["--max-steps", str(steps), "--min-step-time", "0.05", "--collective-timeout", "10"]
+    run = run_local(runner, s, f"recovery-{name}-{backend}-{repeat}", nodes, 2, chaos, train, backend)
+    rep = run["report"]
+    rec = {"scenario": name, "backend": backend, "repeat": repeat, "nodes": nodes, "max_nodes": 2, "chaos": chaos,
+           "cold_start_s": rep.get("cold_start_s"), "orphans": rep.get("orphans"),
+           "final_step": (rep.get("summary") or {}).get("global_step"), "max_steps": steps,
+           "events": [_event(e, rep.get("cold_start_s")) for e in rep.get("events", [])],
+           **{k: run[k] for k in ("exit_code", "wall_s", "load_avg", "command")}}
+    for e in rec["events"]:
+        log(f"  {name}/{backend} {e['kind']}: world {e['world_size_before']}->{e['world_size_after']}, "
+            f"recovery {_s(e['recovery_s'])} (cold start {_s(rec['cold_start_s'])}), "
+            f"steps redone {e['steps_redone']}, breakdown {e['breakdown']}")
+    return rec
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per (scenario, backend, event): recovery and each part of it as median (min-max) of the runs,
+    and the most steps any run redid."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for e in run["events"]:
+            groups.setdefault((run["scenario"], run["backend"], e["kind"]), []).append(e)
+    return [{"scenario": sc, "backend": b, "kind": k, "n": len(es),
+             "world": f"{es[0]['world_size_before']}->{es[0]['world_size_after']}",
+             "recovery_s": spread([e["recovery_s"] for e in es]),
+             "steps_redone_max": max((e["steps_redone"] for e in es if e["steps_redone"] is not None), default=None),
+             "breakdown": {p: spread([(e["breakdown"] or {}).get(p) for e in es]).get("median") for p in BREAKDOWN}}
+            for (sc, b, k), es in groups.items()]
 
 
 def _s(x: float | None) -> str:

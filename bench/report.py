@@ -19,10 +19,11 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def _cell(c: dict | None) -> str:
+def _cell(c: dict | None, spec: str = ",.0f") -> str:
     if not c or c.get("median") is None:
         return "n/a"
-    return f"{c['median']:,.0f} ({c['min']:,.0f}-{c['max']:,.0f})" if c["n"] > 1 else f"{c['median']:,.0f}"
+    m = format(c["median"], spec)
+    return f"{m} ({format(c['min'], spec)}-{format(c['max'], spec)})" if c["n"] > 1 else m
 
 
 def throughput_md(results: dict) -> list[str]:
@@ -85,12 +86,25 @@ def recovery_md(results: dict) -> list[str]:
         for e in run["events"]:
             b = e["breakdown"] or {}
             world = f"{e['world_size_before']}->{e['world_size_after']}"
-            rows.append([run["scenario"], run["backend"], e["kind"], world, sec(e["recovery_s"]),
+            name = run["scenario"] + (f" #{run['repeat'] + 1}" if run.get("repeat") else "")
+            rows.append([name, run["backend"], e["kind"], world, sec(e["recovery_s"]),
                          sec(run["cold_start_s"]), times(e["recovery_over_cold_start"]), str(e["steps_redone"])]
                         + [num(b.get(k), ".2f") for k in BREAKDOWN])
-    return ["### Recovery (fault -> first step at the new world size)", ""] + _table(
-        ["scenario", "backend", "event", "world", "recovery", "cold start", "recovery/cold", "steps redone",
-         "detect s", "rendezvous s", "imports s", "resume s", "first step s"], rows)
+    return [*recovery_summary_md(results), "### Recovery, every run (fault -> first step at the new world size)",
+            ""] + _table(["scenario", "backend", "event", "world", "recovery", "cold start", "recovery/cold",
+                          "steps redone", "detect s", "rendezvous s", "imports s", "resume s", "first step s"], rows)
+
+
+def recovery_summary_md(results: dict) -> list[str]:
+    summary = results["recovery"].get("summary") or []
+    if not any(g["n"] > 1 for g in summary):
+        return []
+    rows = [[g["scenario"], g["backend"], g["kind"], g["world"], str(g["n"]),
+             _cell({**g["recovery_s"], "n": g["n"]}, ".2f") + " s", num(g["steps_redone_max"], "d")]
+            + [num(g["breakdown"].get(k), ".2f") for k in BREAKDOWN] for g in summary]
+    return ["### Recovery, median (min-max) of the runs", ""] + _table(
+        ["scenario", "backend", "event", "world", "runs", "recovery", "most steps redone", "detect s",
+         "rendezvous s", "imports s", "resume s", "first step s"], rows) + [""]
 
 
 def tta_md(results: dict) -> list[str]:
