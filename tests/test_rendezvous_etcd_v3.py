@@ -416,3 +416,41 @@ def test_survivor_completes_its_round_without_the_last_call(etcd_server_v3only: 
     finally:
         b.kill()
         b.wait()
+
+
+AGENT_LEAVING = """
+import signal, sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # as torchrun's agent: the signal raises, the process exits
+params = RendezvousParameters("etcd-v3", sys.argv[1], sys.argv[2], 2, 2, local_addr="127.0.0.1",
+                              keep_alive_interval=5, keep_alive_max_attempt=3, join_timeout=120)
+info = get_rendezvous_handler(params).next_rendezvous()
+print(info.rank, info.world_size, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_agent_ended_by_sigterm_leaves_without_the_heartbeat_window(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+    """A 15 s heartbeat window and a 60 s last call: the survivor re-forms within a few polls because
+    the leaving agent took itself out of the state on its way out."""
+    server, run_id = etcd_server_v3only, "sigterm-leaves"
+    b = subprocess.Popen([sys.executable, "-c", AGENT_LEAVING, server.endpoint, run_id], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for_state(server, run_id, lambda state: len(state.participants) == 1)
+        slow = {"keep_alive_interval": 5, "keep_alive_max_attempt": 3, "last_call_timeout": 60, "join_timeout": 120}
+        a = get_rendezvous_handler(rdzv_params(server.endpoint, run_id, 1, 2, **slow))
+        assert a.next_rendezvous().world_size == 2
+        b.send_signal(signal.SIGTERM)
+        assert b.wait(timeout=30) == 1
+        started = time.monotonic()
+        info = a.next_rendezvous()
+        elapsed = time.monotonic() - started
+        assert (info.rank, info.world_size) == (0, 1)
+        assert elapsed < 5, f"survivor's round took {elapsed:.1f}s; the heartbeat window alone is 15 s"
+        a.shutdown()
+        assert read_rendezvous_status(server.endpoint, run_id)["phase"] == "closed"
+    finally:
+        b.kill()
+        b.wait()

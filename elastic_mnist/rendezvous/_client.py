@@ -161,6 +161,7 @@ class EtcdV3Client:
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
         self._retired: list[etcd3.MultiEndpointEtcd3Client] = []  # closed at close(): other threads may use them
         self._answered = False  # has etcd ever answered this client? then an error is an outage, not a typo
+        self.ride_out_outages = True  # False: fail at once (a process on its way out must not wait)
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
         s = self.spec
@@ -208,7 +209,7 @@ class EtcdV3Client:
                 code, details = rpc_status(exc)
                 transient = code in _RETRY_CODES or any(d in details for d in _RETRY_DETAILS) or (
                     isinstance(exc, self._error_type) and "unreachable" in str(exc))
-                if transient and self._answered:
+                if transient and self._answered and self.ride_out_outages:
                     outage_deadline = outage_deadline or time.monotonic() + self.spec.read_timeout
                     if time.monotonic() < outage_deadline:
                         if client is not None:

@@ -62,6 +62,7 @@ from elastic_mnist.rendezvous._client import (
     run_key,
 )
 from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
+from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._secrets import credentials, secret
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.store import EtcdV3Store
@@ -192,6 +193,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
     def name(self) -> str:
         return BACKEND_NAME
 
+    @property
+    def client(self) -> EtcdV3Client:
+        return self._client
+
     def get_state(self) -> tuple[bytes, Token] | None:
         resp = self._client.call("read the rendezvous state", lambda c: c.get_response(self.key))
         if not resp.kvs:
@@ -279,4 +284,6 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # switch makes every round's workers start from a fresh store instead; this runs in the agent process
     # that chose our backend, and a value set by the user still wins.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return create_handler(store, backend, params)
+    handler = create_handler(store, backend, params)
+    leave_at_exit(handler, backend.client)
+    return handler

@@ -1,0 +1,52 @@
+"""An agent that exits while the rendezvous goes on (SIGTERM: a spot preemption, a pod deleted) leaves it.
+
+    torchrun --rdzv-backend=etcd-v3 ...    # registered by create_rdzv_handler; nothing to configure
+
+torch's launcher deliberately does not shut the rendezvous down when its agent dies of a signal (that
+would close the job for everyone), so the agent just disappears and the survivors wait until its
+heartbeat is older than keep_alive_interval x keep_alive_max_attempt before they re-form. At the exit
+of the agent's process we instead run torch's own exit operation, the one `next_rendezvous` runs
+before it joins: this node leaves the participants and its heartbeat goes, the state moves on to the
+next round, and the survivors' next poll sees it. A closed rendezvous (a finished job) is left alone,
+and so is everything when etcd cannot be reached at once: then the heartbeat window drops us as before.
+A SIGKILLed agent runs nothing; the heartbeat window remains the bound there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _Action,
+    _RendezvousContext,
+    _RendezvousExitOp,
+)
+
+from elastic_mnist.rendezvous._client import EtcdV3Client
+
+LEAVE_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
+
+
+class _LeaveOp(_RendezvousExitOp):
+    """torch's exit operation, except on a closed rendezvous: a finished job's state stays as it ended."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        return _Action.FINISH if ctx.state.closed else super().__call__(ctx, deadline)
+
+
+def leave(handler: DynamicRendezvousHandler, client: EtcdV3Client) -> None:
+    """Best effort, bounded: no waiting out an etcd outage on the way out."""
+    client.ride_out_outages = False
+    try:
+        handler._stop_heartbeats()  # noqa: SLF001 - torch's handler has no public way to leave
+        handler._op_executor.run(_LeaveOp(), time.monotonic() + LEAVE_TIMEOUT_S)  # noqa: SLF001
+    except Exception as exc:  # noqa: BLE001 - leaving is an optimization; the heartbeat window still holds
+        log.info("could not leave the rendezvous at exit (%s); the others drop this node by its heartbeat", exc)
+
+
+def leave_at_exit(handler: DynamicRendezvousHandler, client: EtcdV3Client) -> None:
+    atexit.register(leave, handler, client)
