@@ -28,18 +28,19 @@ def loop_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=500, help="measured steps, after the warm-up")
     parser.add_argument("--warmup", type=int, default=Throughput.WARMUP_STEPS, help="steps left out of the numbers")
     parser.add_argument("--global-batch-size", type=int, default=128)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU check")
     return parser
 
 
 def main() -> None:
     args = loop_parser("bare single-process loop").parse_args()
-    train = load_split(args.data_dir, True)
+    train = load_split(args.data_dir, True).to(torch.device(args.device))
     plan = BatchPlan(len(train), args.global_batch_size, seed=0)
-    model = build_model(512, 0)
+    model = build_model(512, 0).to(args.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     timer = Throughput(args.warmup)
     for step in range(args.warmup + args.steps):
-        idx = plan.global_indices(step)
+        idx = plan.global_indices(step).to(args.device)
         optimizer.zero_grad()
         F.nll_loss(model(train.images[idx]), train.labels[idx]).backward()
         optimizer.step()

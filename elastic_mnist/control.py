@@ -75,17 +75,17 @@ class ControlPlane:
         self._leaving = threading.Event()
         self._thread: threading.Thread | None = None
         self._agree_group = self._watch_group = None
-        if world_size > 1:  # new_group is collective: every rank creates the same groups in the same order
-            self._agree_group = dist.new_group(backend="gloo",
-                                               timeout=datetime.timedelta(seconds=config.collective_timeout))
-            self._watch_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config.peer_timeout))
+        if world_size > 1:
+            prefix = f"elastic-mnist/control/{_round_token()}"
+            self._agree_group = _gloo_group(f"{prefix}/agree", config.collective_timeout)
+            self._watch_group = _gloo_group(f"{prefix}/watch", config.peer_timeout)
 
     def agree(self, values: list[float]) -> list[float]:
         """Sum over ranks, on the agreement group (a lone process agrees with itself)."""
         if self._agree_group is None:
             return values
         packed = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(packed, group=self._agree_group)
+        self._agree_group.allreduce([packed]).wait()
         return packed.tolist()
 
     def watch(self, on_peer_lost: Callable[[str], None]) -> None:
@@ -100,7 +100,7 @@ class ControlPlane:
         while True:
             beat.fill_(1.0 if self._leaving.is_set() else 0.0)
             try:
-                dist.all_reduce(beat, group=self._watch_group)
+                self._watch_group.allreduce([beat]).wait()
             except Exception as e:  # noqa: BLE001 - any failure of the heartbeat means a peer is gone
                 if self._leaving.is_set():
                     return  # we were leaving anyway; a peer that left first is no loss
@@ -121,3 +121,19 @@ class ControlPlane:
     def confirms_peer_loss(self, timeout_s: float) -> bool:
         """An error from a collective is a peer's loss when the heartbeat says so (no message matching)."""
         return self.peer_lost.wait(timeout_s)
+
+
+def _round_token() -> int:
+    """A number every rank of this round agrees on (rank 0's, broadcast over the data group). The store
+    torchrun hands workers can outlive a round (the c10d backend shares one across rounds), so groups
+    keyed by a fixed name would meet the addresses of the previous round's dead processes there."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=device)  # not torch's RNG
+    dist.broadcast(token, src=0)
+    return int(token.item())
+
+
+def _gloo_group(prefix: str, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group over all ranks, on its own keys of the default store."""
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), datetime.timedelta(seconds=timeout_s))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 VARIABLE = "ELASTIC_MNIST_FAULT"
 _SIGNALS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}
@@ -38,5 +39,5 @@ class FaultPoints:
         f = self.fault
         if f is not None and (f["rank"], f["step"], f["at"]) == (self.rank, step, at) and step > self.start_step:
             self.fault = None
-            print(f"[fault] {f['kind']} at step {step} ({at})", flush=True)
+            print(f"[fault] {f['kind']} at step {step} ({at}) time {time.time():.3f}", flush=True)
             os.kill(os.getpid(), _SIGNALS[f["kind"]])

@@ -1,0 +1,23 @@
+"""The GPU check script cannot rot on machines without a GPU: its dry run does every step on CPU."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, worker_env
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_trains_resumes_measures_and_survives_a_peer_loss(small_mnist, tmp_path):
+    out = tmp_path / "gpu_check.json"
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--data-dir", small_mnist, "--dry-run",
+                          "--out", str(out), "--work-dir", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=600, env=worker_env(), cwd=REPO)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["train_and_resume"]["resumed_at"] == 200 and result["train_and_resume"]["final_step"] == 400
+    assert result["throughput"]["ours_vs_bare"] > 0
+    loss = result["peer_loss"]
+    assert loss["completed"] and loss["steps_redone"] <= 1 and loss["detection_s"] < 5 and loss["saved_by"]
