@@ -44,7 +44,7 @@ class TrainConfig:
     lr: float = 1e-3
     """Adam learning rate (the peak, with a schedule)."""
     lr_schedule: str = "cosine"
-    """cosine: decay from --lr to 0 over the run's steps (ends >= 98.2% on MNIST); constant: --lr throughout."""
+    """cosine: decay from --lr to 0 over --epochs (ends >= 98.2% on MNIST); constant: --lr throughout."""
     hidden: int = 512
     """Width of the MLP's hidden layer (784-HIDDEN-10)."""
     seed: int = 0

@@ -125,10 +125,11 @@ class Trainer:
 
     def _set_lr(self, step: int) -> None:
         """The learning rate is a function of the step alone, so a resumed or resized run follows the
-        same schedule as an uninterrupted one (nothing extra to checkpoint)."""
-        lr = self.config.lr
+        same schedule as an uninterrupted one (nothing extra to checkpoint). The horizon is --epochs, not
+        --max-steps: stopping early with --max-steps and going on later stays on the same schedule."""
+        lr, horizon = self.config.lr, self.config.epochs * self.plan.steps_per_epoch
         if self.config.lr_schedule == "cosine":
-            lr *= 0.5 * (1 + math.cos(math.pi * min(step, self.total_steps) / self.total_steps))
+            lr *= 0.5 * (1 + math.cos(math.pi * min(step, horizon) / horizon))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
