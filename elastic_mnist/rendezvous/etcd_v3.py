@@ -18,6 +18,11 @@ next heartbeat after keep_alive_interval x keep_alive_max_attempt (see torch's `
 that product above any etcd outage the job must ride out (an etcd restart: a few seconds), or the
 first node back declares all the others dead.
 
+Two shortcuts on top of torch's protocol, both from the backend side: a round (after the first) whose
+participants are every node with a live heartbeat is completed at once, without the last call
+(`close_when_everyone_is_in`); and an agent that exits while the job goes on (SIGTERM) takes itself out
+of the state on its way out (_leave.py), so only a SIGKILLed or frozen node costs the heartbeat window.
+
 --rdzv-conf keys (anything else is rejected, naming the key):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
   keep_alive_interval=1 keep_alive_max_attempt=3                               torch's handler
