@@ -67,3 +67,10 @@ def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float
 
 
 from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/e2e/ is slow (real etcd + torchrun scenarios): `-m "not slow"` is the fast tier."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
