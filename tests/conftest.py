@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_mnist import procs
 from elastic_mnist.data import RAW_FILES, write_synthetic_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,14 +36,9 @@ def small_mnist(tmp_path_factory) -> str:
     return str(write_synthetic_mnist(tmp_path_factory.mktemp("mnist-small"), 2000, 500, seed=1))
 
 
-def worker_env(**extra: str) -> dict[str, str]:
-    """Environment for child processes: this interpreter's venv first, one thread per process."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "TORCHELASTIC"))}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+# One child environment for every process a test starts (procs.child_env: no inherited rank variables,
+# this venv first, one thread per process).
+worker_env = procs.child_env
 
 
 def run_train(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -62,8 +58,8 @@ def load_render():
 
 
 def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "elastic_mnist.train", *train_args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO)
+    return subprocess.run(procs.torchrun_command(torchrun_args, train_args), capture_output=True, text=True,
+                          timeout=timeout, env=worker_env(), cwd=REPO)
 
 
 from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)

@@ -1,9 +1,14 @@
 """Real torchrun: 2 workers train and stop, 1 worker resumes at that step; the sample logs together
-replay the uninterrupted global batches. And the issue's acceptance run at world size 2."""
+replay the uninterrupted global batches. The acceptance run at world size 2, and a worker whose agent
+dies."""
 
 import json
+import os
+import signal
+import subprocess
 
-from conftest import run_torchrun
+from conftest import REPO, run_torchrun
+from elastic_mnist import checkpoint, procs
 from elastic_mnist.data import BatchPlan
 from elastic_mnist.runlog import read_records
 
@@ -41,34 +46,26 @@ def test_two_workers_one_epoch_reach_96_percent(mnist_root, tmp_path):
     assert summary["test_accuracy"] >= (0.96 if real else 0.95)
 
 
-def test_a_worker_never_outlives_its_agent(small_mnist, tmp_path):
-    """SIGKILL of the torchrun agent alone (workers run in their own sessions) still ends the worker."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import REPO, worker_env
-    from elastic_mnist.procs import alive, children
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
-           "elastic_mnist.train", "--data-dir", small_mnist, "--max-steps", "100000", "--min-step-time", "0.05",
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs")]
-    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(),
-                             cwd=REPO, start_new_session=True)
+def test_a_worker_never_outlives_its_agent_and_saves_on_the_way_out(small_mnist, tmp_path):
+    """SIGKILL of the torchrun agent alone (workers run in their own sessions): the worker gets the
+    parent-death signal, stops at the next step boundary, saves that step and exits."""
+    cmd = procs.torchrun_command(["--standalone", "--nproc-per-node=1"], [
+        "--data-dir", small_mnist, "--max-steps", "100000", "--min-step-time", "0.05", "--checkpoint-every", "0",
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs"),
+        "--sample-log", str(tmp_path / "samples")])
+    log = open(tmp_path / "agent.log", "wb")
+    agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=procs.child_env(), cwd=REPO,
+                             start_new_session=True)
+    log.close()
     try:
-        for line in agent.stdout:  # a real step, not a sleep
-            if "[first-step]" in line:
-                break
-        (worker,) = children()[agent.pid]
+        procs.wait_for(lambda: read_records(str(tmp_path / "samples")), 120, "the first step")
+        (worker,) = procs.children()[agent.pid]
         assert os.getsid(worker) != os.getsid(agent.pid), "torchrun starts workers in their own session"
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
-        deadline = time.monotonic() + 10
-        while alive(worker) and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling for the outcome, bounded
-        assert not alive(worker), "the worker died with its agent"
+        assert procs.wait_exit(worker, 30), "the worker left after its agent died"
+        last = max(r["step"] for r in read_records(str(tmp_path / "samples")))
+        assert checkpoint.list_checkpoints(str(tmp_path / "ckpt"))[0][0] == last + 1, "the stop step was saved"
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -45,7 +45,7 @@ def test_status_of_a_live_job(small_mnist, tmp_path, backend):
         assert text.returncode == 0 and "2 participant(s)" in text.stdout and "latest checkpoint: step" in text.stdout
     finally:
         launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=90)
+        launcher.communicate(timeout=90)  # drains the pipe while the launcher stops everything
 
 
 def test_status_of_an_unknown_job_and_an_unreachable_etcd(etcd_server_v3only, tmp_path):
