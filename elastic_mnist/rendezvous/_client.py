@@ -156,8 +156,7 @@ class EtcdV3Client:
     """Thread-safe holder of an etcd3 client: `call()` runs one operation with error translation."""
 
     def __init__(self, spec: EtcdConnectionSpec, error_type: type[Exception] = EtcdV3Error) -> None:
-        self.spec, self._error_type = spec, error_type
-        self._lock = threading.Lock()
+        self.spec, self._error_type, self._lock = spec, error_type, threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
         self._retired: list[etcd3.MultiEndpointEtcd3Client] = []  # closed at close(): other threads may use them
         self._answered = False  # has etcd ever answered this client? then an error is an outage, not a typo
