@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO, worker_env
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 POSITIVE = ("samples_per_s", "step_ms_median", "median_step_samples_per_s", "wall_s")
 

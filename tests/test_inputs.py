@@ -1,11 +1,14 @@
 """The DataLoader path (torchvision's MNIST, the seed's transforms, the elastic sampler, worker
 processes) trains on exactly the batches of the in-memory path, to the last bit of the weights."""
 
+import pytest
 import torch
 
 from conftest import run_torchrun, run_train
 from elastic_mnist.data import BatchPlan
 from elastic_mnist.runlog import read_records
+
+pytestmark = pytest.mark.slow  # real worker processes: the full suite runs them, the fast tier skips them
 
 
 def _args(data: str, tmp, name: str, *extra: str) -> list[str]:

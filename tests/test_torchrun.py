@@ -7,10 +7,14 @@ import os
 import signal
 import subprocess
 
+import pytest
+
 from conftest import REPO, run_torchrun
 from elastic_mnist import checkpoint, procs
 from elastic_mnist.data import BatchPlan
 from elastic_mnist.runlog import read_records
+
+pytestmark = pytest.mark.slow  # real worker processes: the full suite runs them, the fast tier skips them
 
 
 def _train_args(data: str, tmp, *extra: str) -> list[str]:

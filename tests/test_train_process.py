@@ -11,6 +11,8 @@ from elastic_mnist import checkpoint
 from elastic_mnist.data import BatchPlan
 from elastic_mnist.runlog import read_records
 
+pytestmark = pytest.mark.slow  # real worker processes: the full suite runs them, the fast tier skips them
+
 
 def _args(data: str, tmp, name: str, *extra: str) -> list[str]:
     return ["--data-dir", data, "--checkpoint-dir", str(tmp / name / "ckpt"), "--log-dir", str(tmp / name / "runs"),
