@@ -105,14 +105,14 @@ class Throughput:
 
 
 def process_age_s() -> float:
-    """Seconds since this process started (kernel start time, so interpreter and import time count)."""
+    """Seconds since this process started (kernel start time, so interpreter and import time count).
+    The start time is in clock ticks since boot; CLOCK_BOOTTIME is the same clock (btime in /proc/stat
+    is rounded to whole seconds and would be off by up to one)."""
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return time.time() - (boot + start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, StopIteration):
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
         return float("nan")
 
 

@@ -11,10 +11,12 @@ same newest file and nothing is sent.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from elastic_mnist import checkpoint
@@ -51,10 +53,7 @@ def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn) -> Ca
 
 def agree_errors(error: str | None, world_size: int) -> None:
     """Every rank raises the same UserError if any rank found bad input; nobody is left in a collective."""
-    errors = [error]
-    if world_size > 1:
-        errors = [None] * world_size
-        dist.all_gather_object(errors, error)
+    errors = [error] if world_size == 1 else [json.loads(b) for b in _all_gather_bytes(json.dumps(error).encode())]
     first = next((e for e in errors if e), None)
     if first:
         raise UserError(first)
@@ -62,10 +61,10 @@ def agree_errors(error: str | None, world_size: int) -> None:
 
 def agree_on_state(mine: Candidate | None, rank: int, world_size: int) -> tuple[Candidate | None, int, list[int]]:
     """(the newest state, the rank that had it, the ranks it was sent to)."""
-    offers = [(mine.step, mine.digest) if mine else (-1, "")]
+    offer = [mine.step, mine.digest] if mine else [-1, ""]
+    offers = [offer]
     if world_size > 1:  # a lone process has nobody to agree with (and may have no process group)
-        offers = [None] * world_size
-        dist.all_gather_object(offers, (mine.step, mine.digest) if mine else (-1, ""))
+        offers = [json.loads(b) for b in _all_gather_bytes(json.dumps(offer).encode())]
     best = max(step for step, _ in offers)
     if best < 0:
         return None, -1, []
@@ -73,11 +72,41 @@ def agree_on_state(mine: Candidate | None, rank: int, world_size: int) -> tuple[
     needy = [r for r, offer in enumerate(offers) if offer != offers[owner]]
     if not needy:
         return mine, owner, []
-    box = [mine.blob if rank == owner else None]
-    dist.broadcast_object_list(box, src=owner)
+    blob = _broadcast_bytes(mine.blob if rank == owner else b"", owner)
     if rank in needy:
-        mine = Candidate(best, box[0], f"rank {owner} (sent over the process group)")
+        mine = Candidate(best, blob, f"rank {owner} (sent over the process group)")
     return mine, owner, needy
+
+
+# Bytes, not pickled objects, travel between ranks: what a peer sends is parsed as JSON or verified as a
+# checkpoint (checksum, weights_only), so nothing a peer sends can run code here.
+def _device() -> torch.device:
+    """Where tensors of the default group live (NCCL: this rank's GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _all_gather_bytes(data: bytes) -> list[bytes]:
+    dev, world = _device(), dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return [t[:int(n)].cpu().numpy().tobytes() for t, n in zip(gathered, sizes)]
+
+
+def _broadcast_bytes(data: bytes, src: int) -> bytes:
+    dev = _device()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=src)
+    buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
+    if dist.get_rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src)
+    return buf.cpu().numpy().tobytes()
 
 
 def keep_durable_copy(candidate: Candidate, directory: str) -> bool:

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack
+from typing import NoReturn
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -114,5 +115,15 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
         return 2
 
 
+def launch(task: Task | None = None) -> NoReturn:
+    """Run the worker, then end the process at once. Every writer is closed and flushed by then, and the
+    interpreter's own teardown (collecting torch's module graph) costs ~2 s on the path of every
+    membership change, where torchrun waits for this process to go."""
+    code = main(task=task)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    launch()

@@ -128,8 +128,10 @@ class Trainer:
         same schedule as an uninterrupted one (nothing extra to checkpoint). The horizon is --epochs, not
         --max-steps: stopping early with --max-steps and going on later stays on the same schedule."""
         lr, horizon = self.config.lr, self.config.epochs * self.plan.steps_per_epoch
-        if self.config.lr_schedule == "cosine":
-            lr *= 0.5 * (1 + math.cos(math.pi * min(step, horizon) / horizon))
+        hold = {"cosine": 0.0, "hold-cosine": 0.5}.get(self.config.lr_schedule)
+        if hold is not None:  # the decay starts after `hold` of the run
+            frac = max(0.0, min(step, horizon) / horizon - hold) / (1 - hold)
+            lr *= 0.5 * (1 + math.cos(math.pi * frac))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 

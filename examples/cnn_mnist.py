@@ -11,13 +11,11 @@ the loss (summed over a batch) and what counts as correct. Everything else is th
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
 from elastic_mnist.task import Task
-from elastic_mnist.train import main
+from elastic_mnist.train import launch
 
 
 class SmallCNN(nn.Module):
@@ -48,4 +46,4 @@ class CnnMnist(Task):
 
 
 if __name__ == "__main__":
-    sys.exit(main(task=CnnMnist()))
+    launch(CnnMnist())
