@@ -32,9 +32,13 @@ def throughput_md(results: dict) -> list[str]:
     rows = [[f"{w}", _cell(c["ours"]), _cell(c["seed"]), _cell(c["bare"]) if w == "1" else "(1 process)",
              times(c["ours_vs_seed"]), times(c["ours_vs_bare"]), times(c["median_step"]["ours_vs_seed"]),
              times(c["median_step"]["ours_vs_bare"])] for w, c in sorted(t["summary"].items())]
+    loader = [[w, _cell(c["dataloader"]), _cell(c["ours"]), times(c["dataloader_vs_ours"])]
+              for w, c in sorted(t["summary"].items()) if c.get("dataloader", {}).get("n")]
     return [f"### Throughput (samples/s, median (min-max) of {reps} interleaved runs, {t['steps']} measured steps)",
             ""] + _table(["world", "ours", "seed loop", "bare loop", "ours/seed", "ours/bare",
-                          "ours/seed by median step", "ours/bare by median step"], rows)
+                          "ours/seed by median step", "ours/bare by median step"], rows) + (
+        ["", "Our trainer's DataLoader input path (`--input dataloader --num-workers 2`) beside the in-memory default:",
+         ""] + _table(["world", "dataloader", "in-memory", "dataloader/in-memory"], loader) if loader else [])
 
 
 def overhead_md(results: dict) -> list[str]:

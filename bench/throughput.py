@@ -12,8 +12,10 @@ from bench.fmt import times
 from bench.runner import Runner, log, python_m, ratio, spread, torchrun
 from bench.settings import Settings
 
-# bare exists only at world 1: it is the single-process ceiling.
-CONFIGS = [("bare", 1), ("seed", 1), ("ours", 1), ("seed", 2), ("ours", 2)]
+# bare exists only at world 1: it is the single-process ceiling. "dataloader" is our trainer on its
+# DataLoader input path (torchvision's MNIST, per-sample transforms, 2 loader workers).
+CONFIGS = [("bare", 1), ("seed", 1), ("ours", 1), ("dataloader", 1), ("seed", 2), ("ours", 2)]
+DATALOADER_FLAGS = ("--input", "dataloader", "--num-workers", "2")
 
 
 def _loop_args(s: Settings) -> list[str]:
@@ -34,7 +36,8 @@ def run_one(runner: Runner, s: Settings, impl: str, world: int, extra: tuple = (
     elif impl == "seed":
         rec = runner.json_line(torchrun(world, "bench.seed_loop", _loop_args(s)), name, s.timeout_s)
     else:
-        rec = runner.trainer(world, _ours_args(s, *extra), name, s.timeout_s)
+        flags = (*extra, *DATALOADER_FLAGS) if impl == "dataloader" else extra
+        rec = runner.trainer(world, _ours_args(s, *flags), name, s.timeout_s)
     keep = ("samples_per_s", "step_ms_median", "wall_s", "load_avg", "command")
     out = {"impl": impl, "world_size": world, **{k: rec[k] for k in keep}}
     # Rate from the median step: what a step costs when the shared machine is not busy elsewhere.
@@ -74,8 +77,10 @@ def summarize(runs: list[dict]) -> dict:
         ours, seed = pick("ours", world, "samples_per_s"), pick("seed", world, "samples_per_s")
         ours_step, seed_step = pick("ours", world, "median_step_samples_per_s"), pick(
             "seed", world, "median_step_samples_per_s")
+        loader = pick("dataloader", world, "samples_per_s")
         out[str(world)] = {
-            "ours": ours, "seed": seed, "bare": bare,
+            "ours": ours, "seed": seed, "bare": bare, "dataloader": loader,
+            "dataloader_vs_ours": ratio(loader["median"], ours["median"]),
             "ours_vs_seed": ratio(ours["median"], seed["median"]),
             "ours_vs_bare": ratio(ours["median"], bare["median"]),
             "median_step": {"ours": ours_step, "seed": seed_step, "bare": bare_step,
