@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from elastic_mnist import procs
+
 
 class Metrics:
     def __init__(self, rank: int, log_dir: str):
@@ -108,12 +110,10 @@ def process_age_s() -> float:
     """Seconds since this process started (kernel start time, so interpreter and import time count).
     The start time is in clock ticks since boot; CLOCK_BOOTTIME is the same clock (btime in /proc/stat
     is rounded to whole seconds and would be off by up to one)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
+    ticks = procs.start_ticks(os.getpid())
+    if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
         return float("nan")
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -74,6 +74,12 @@ def proc_ppid(pid: int) -> int | None:
     return int(fields[1]) if fields else None
 
 
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/PID/stat field 22)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
+
+
 def alive(pid: int) -> bool:
     """Running or stopped, not a zombie."""
     state = proc_state(pid)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 from elastic_mnist.errors import UserError
 from elastic_mnist.etcd_server import BINARY_ENV, EtcdServer, find_etcd_binary
+from elastic_mnist.procs import alive, wait_exit
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
 from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: F401  (pytest fixtures)
 
@@ -34,23 +34,11 @@ def etcd3_client(server: EtcdServer) -> etcd3.Etcd3Client:
 
 def is_gone(pid: int) -> bool:
     """No such process, or only a zombie left for init to reap (it can no longer run or serve)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
+    return not alive(pid)
 
 
-def wait_for_exit(pid: int, timeout: float) -> bool:
-    """Block on a pidfd (readable when the process exits) instead of polling."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0]) or is_gone(pid)
-    finally:
-        os.close(fd)
+# Blocks on a pidfd (readable when the process exits) instead of polling.
+wait_for_exit = wait_exit
 
 
 def http_status(url: str) -> int:
