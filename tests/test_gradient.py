@@ -3,6 +3,7 @@ single-process gradient of the same global batch."""
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,6 +34,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_gradient_over_three_uneven_ranks_equals_single_process(tmp_path):
     mp.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -313,6 +313,7 @@ def test_all_nodes_join_rendezvous(nodes: Nodes, etcd_server_v3only: EtcdServer)
     assert wait_for_state(etcd_server_v3only, RUN_ID, lambda s: s.closed).closed
 
 
+@pytest.mark.slow
 def test_redundancy_list(nodes: Nodes, etcd_server_v3only: EtcdServer) -> None:
     handlers = [nodes.add(), nodes.add(), nodes.add()]
     nodes.join(handlers[:2])
@@ -324,6 +325,7 @@ def test_redundancy_list(nodes: Nodes, etcd_server_v3only: EtcdServer) -> None:
         third.result(timeout=60)
 
 
+@pytest.mark.slow
 def test_redundancy_transition_to_wait_list_then_join_rendezvous(nodes: Nodes,
                                                                  etcd_server_v3only: EtcdServer) -> None:
     # A node is dead after 1 s x 2 without a heartbeat; the last call is long so max_nodes completes it.

@@ -208,6 +208,7 @@ sys.stdin.read()  # alive and heartbeating until killed
 """
 
 
+@pytest.mark.slow
 def test_two_agents_rendezvous_and_a_dead_one_is_dropped_within_the_keep_alive_bound(
         etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
     server, run_id = etcd_server_v3only, "two-agents"
@@ -322,6 +323,7 @@ def torchrun(endpoint: str, *extra: str, nnodes: str = "2") -> list[str]:
             "--local-addr=127.0.0.1", *extra, str(REPO / "tests" / "rdzv_tiny_worker.py")]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_torchrun_two_nodes_all_reduce_over_etcd_v3(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -337,6 +339,7 @@ def test_torchrun_two_nodes_all_reduce_over_etcd_v3(etcd_server_v3only: EtcdServ
     assert lines == ["rank 0 world 2 sum 2", "rank 1 world 2 sum 2"], outputs
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_torchrun_reports_an_unknown_rdzv_conf_key() -> None:
     result = subprocess.run(torchrun(f"127.0.0.1:{free_port()}", "--rdzv-conf=bogus_key=1", nnodes="1"),
@@ -347,6 +350,7 @@ def test_torchrun_reports_an_unknown_rdzv_conf_key() -> None:
     assert result.stderr.index(lines[0]) < result.stderr.index("Traceback"), "the one line comes before the traceback"
 
 
+@pytest.mark.slow
 def test_a_crashed_jobs_state_never_blocks_a_new_job_id(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
     """Job A's agent dies mid-round (its state stays in etcd); job B, with a new id, forms its round at once."""
     server = etcd_server_v3only
@@ -395,6 +399,7 @@ def test_last_call_is_skipped_only_when_every_live_node_is_in(round_, participan
     assert (seen.deadline < datetime.now(timezone.utc)) is closes
 
 
+@pytest.mark.slow
 def test_survivor_completes_its_round_without_the_last_call(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
     """last_call_timeout=60: without the shortcut the survivor's round would take a minute."""
     server, run_id = etcd_server_v3only, "no-last-call"
@@ -431,6 +436,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 def test_an_agent_ended_by_sigterm_leaves_without_the_heartbeat_window(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
     """A 15 s heartbeat window and a 60 s last call: the survivor re-forms within a few polls because
     the leaving agent took itself out of the state on its way out."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO, worker_env
@@ -38,6 +39,7 @@ def test_events_are_written_without_a_sample_dir_and_nothing_without_a_log_dir(t
     assert os.listdir(tmp_path / "s") and len(read_records(str(tmp_path / "s"))) == 1
 
 
+@pytest.mark.slow
 def test_two_processes_write_two_files_told_apart_by_the_pid_field(tmp_path):
     script = ("import os, sys, torch; from elastic_mnist.runlog import RunLog\n"
               "log = RunLog('', sys.argv[1], 0, 1, 0)\n"
