@@ -65,11 +65,14 @@ class CheckpointManager:
         self._confirmed: dict | None = None
         """A device copy of model and optimizer at the last step every rank finished (see confirm_step)."""
         self._confirmed_step = -1
+        self._keeps_copy = False
 
     # -- restore ----------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
         """The objects whose state this manager saves and restores (safe to repeat)."""
         self.model, self.optimizer, self.steps_per_epoch = model, optimizer, steps_per_epoch
+        mode, on_gpu = self.config.failure_state, next(model.parameters()).device.type == "cuda"
+        self._keeps_copy = mode == "copy" or (mode == "auto" and on_gpu)  # decided once, not per step
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Progress:
         """Collective: every rank offers its newest valid state, the newest wins and is loaded into
@@ -124,15 +127,11 @@ class CheckpointManager:
             self.metrics.print0(f"[snapshots] removed {len(removed)} stale snapshot dir(s) of other runs")
 
     # -- save -------------------------------------------------------------------------------------
-    def _keeps_copy(self) -> bool:
-        mode = self.config.failure_state
-        return mode == "copy" or (mode == "auto" and next(self.model.parameters()).device.type == "cuda")
-
     def confirm_step(self) -> None:
         """Every rank finished the current step. A GPU runs ahead of the host: when a peer is lost, kernels
         queued behind an aborted collective may still run on garbage, so the failure save uses this device
         copy (device-to-device, no host sync) of the last confirmed step instead of the live state."""
-        if not self._keeps_copy():
+        if not self._keeps_copy:
             return
         live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         if self._confirmed is None or len(_leaves(live)) != len(_leaves(self._confirmed)):
@@ -232,13 +231,10 @@ class CheckpointManager:
 
 def _leaves(tree) -> list[torch.Tensor]:
     """The tensors of a nested dict/list, in a stable order (state_dict order)."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _leaves(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _leaves(v)]
-    return []
+    found: list[torch.Tensor] = []
+    map_tensors(tree, found.append)
+    return found
+
 
 def _clone_tree(tree):
     return map_tensors(tree, lambda t: t.detach().clone())

@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastic_mnist.distributed import group_device
+
 
 EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
 
@@ -127,8 +129,7 @@ def _round_token() -> int:
     """A number every rank of this round agrees on (rank 0's, broadcast over the data group). The store
     torchrun hands workers can outlive a round (the c10d backend shares one across rounds), so groups
     keyed by a fixed name would meet the addresses of the previous round's dead processes there."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=device)  # not torch's RNG
+    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=group_device())  # not torch's RNG
     dist.broadcast(token, src=0)
     return int(token.item())
 

@@ -78,6 +78,11 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device
     return device
 
 
+def group_device() -> torch.device:
+    """Where tensors for the default (data) group must live: this rank's GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def abort_data_group() -> None:
     """Abort the NCCL communicators so a collective blocked on a lost peer returns at once (safe from
     another thread; torch documents it for NCCL)."""

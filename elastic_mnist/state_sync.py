@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist import checkpoint
+from elastic_mnist.distributed import group_device
 from elastic_mnist.errors import UserError
 
 
@@ -80,13 +81,8 @@ def agree_on_state(mine: Candidate | None, rank: int, world_size: int) -> tuple[
 
 # Bytes, not pickled objects, travel between ranks: what a peer sends is parsed as JSON or verified as a
 # checkpoint (checksum, weights_only), so nothing a peer sends can run code here.
-def _device() -> torch.device:
-    """Where tensors of the default group live (NCCL: this rank's GPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _all_gather_bytes(data: bytes) -> list[bytes]:
-    dev, world = _device(), dist.get_world_size()
+    dev, world = group_device(), dist.get_world_size()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size)
@@ -99,7 +95,7 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
 
 
 def _broadcast_bytes(data: bytes, src: int) -> bytes:
-    dev = _device()
+    dev = group_device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     dist.broadcast(size, src=src)
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
