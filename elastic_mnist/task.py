@@ -27,7 +27,11 @@ class Task:
         raise NotImplementedError
 
     def build_optimizer(self, model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-        return torch.optim.Adam(model.parameters(), lr=config.lr)
+        """torch.optim.Adam's update and state format, without the second-long import of torch.compile's
+        machinery that torch.optim's base class costs every (re)starting worker (see elastic_mnist/optim.py)."""
+        from elastic_mnist.optim import Adam
+
+        return Adam(model.parameters(), lr=config.lr)  # type: ignore[return-value]  # duck-typed Optimizer
 
     def datasets(self, config: TrainConfig) -> tuple:
         """(train, test): in-memory `data.Split`s (fast path) or any map-style data sets (DataLoader path)."""
