@@ -1,6 +1,6 @@
 """Adam without torch.compile's machinery: the default optimizer of the MNIST task.
 
-    python -c "from elastic_mnist.model import build_model; from elastic_mnist.optim import Adam; print(Adam(build_model().parameters()))"
+    python -c "from elastic_mnist import model, optim; print(optim.Adam(model.build_model().parameters()))"
 
 torch.optim's base class wraps `add_param_group` (called by every constructor), `state_dict`,
 `load_state_dict` and `zero_grad` in `torch._disable_dynamo`, whose first call imports `torch._dynamo`:

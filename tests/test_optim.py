@@ -150,7 +150,8 @@ def test_a_bad_state_dict_is_refused_and_changes_nothing(corrupt, message):
     other = Adam(other_model.parameters(), lr=5e-4)
     _train(other_model, other, _batches(2, seed=3))
     bad = other.state_dict()
-    bad = {"state": {i: dict(e) for i, e in bad["state"].items()}, "param_groups": [dict(g) for g in bad["param_groups"]]}
+    bad = {"state": {i: dict(e) for i, e in bad["state"].items()},
+           "param_groups": [dict(g) for g in bad["param_groups"]]}
     corrupt(bad)
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(bad)
