@@ -392,11 +392,11 @@ def _open_round(round_: int, participants: list[str], heartbeats: dict[str, floa
     (0, ["a"], {"a": 0}, False),                # cold start: how many are coming is unknown
 ])
 def test_last_call_is_skipped_only_when_every_live_node_is_in(round_, participants, heartbeats, closes) -> None:
-    from elastic_mnist.rendezvous.etcd_v3 import close_when_everyone_is_in
+    from elastic_mnist.rendezvous._prompt import close_when_everyone_is_in
 
-    bits = pickle.dumps(_open_round(round_, participants, heartbeats))
-    seen = pickle.loads(close_when_everyone_is_in(bits, timedelta(seconds=3)))
-    assert (seen.deadline < datetime.now(timezone.utc)) is closes
+    state = _open_round(round_, participants, heartbeats)
+    assert close_when_everyone_is_in(state, timedelta(seconds=3)) is closes
+    assert (state.deadline < datetime.now(timezone.utc)) is closes
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_mnist.rendezvous._client import EtcdV3Client
+from elastic_mnist.rendezvous._liveness import PeerLiveness
 
 LEAVE_TIMEOUT_S = 5.0
 log = logging.getLogger(__name__)
@@ -38,15 +39,21 @@ class _LeaveOp(_RendezvousExitOp):
         return _Action.FINISH if ctx.state.closed else super().__call__(ctx, deadline)
 
 
-def leave(handler: DynamicRendezvousHandler, client: EtcdV3Client) -> None:
-    """Best effort, bounded: no waiting out an etcd outage on the way out."""
+def leave(handler: DynamicRendezvousHandler, client: EtcdV3Client, liveness: PeerLiveness | None = None) -> None:
+    """Best effort, bounded: no waiting out an etcd outage on the way out. Then the beacon goes."""
     client.ride_out_outages = False
     try:
         handler._stop_heartbeats()  # noqa: SLF001 - torch's handler has no public way to leave
         handler._op_executor.run(_LeaveOp(), time.monotonic() + LEAVE_TIMEOUT_S)  # noqa: SLF001
     except Exception as exc:  # noqa: BLE001 - leaving is an optimization; the heartbeat window still holds
         log.info("could not leave the rendezvous at exit (%s); the others drop this node by its heartbeat", exc)
+    try:
+        if liveness is not None:
+            liveness.close()
+    except Exception as exc:  # noqa: BLE001 - its key expires with the agent's lease
+        log.info("could not remove this agent's beacon key at exit (%s)", exc)
 
 
-def leave_at_exit(handler: DynamicRendezvousHandler, client: EtcdV3Client) -> None:
-    atexit.register(leave, handler, client)
+def leave_at_exit(handler: DynamicRendezvousHandler, client: EtcdV3Client,
+                  liveness: PeerLiveness | None = None) -> None:
+    atexit.register(leave, handler, client, liveness)

@@ -113,12 +113,18 @@ def seal(secret: bytes | None, key: str, state_bits: bytes) -> bytes:
 
 def unseal(secret: bytes | None, key: str, stored: bytes) -> bytes:
     """The checked pickle inside what etcd holds; StateIntegrityError if it may not reach pickle.loads."""
+    state_bits = verified(secret, key, stored)
+    check_pickle(key, state_bits)  # with a secret too, defense in depth: a leaked secret still cannot run code
+    return state_bits
+
+
+def verified(secret: bytes | None, key: str, stored: bytes) -> bytes:
+    """What was sealed into `stored` (its HMAC checked, with a secret); StateIntegrityError if it does not verify."""
     if secret is None:
         if stored.startswith(MAGIC):
             raise StateIntegrityError(
                 f"the rendezvous state in {key} is sealed with a secret but this node has none: give every "
                 "node the same secret_file=PATH (or $ELASTIC_MNIST_RDZV_SECRET_FILE)")
-        check_pickle(key, stored)
         return stored
     tag, state_bits = stored[len(MAGIC):len(MAGIC) + _TAG_LEN], stored[len(MAGIC) + _TAG_LEN:]
     if not stored.startswith(MAGIC) or not hmac.compare_digest(tag, _tag(secret, key, state_bits)):
@@ -127,5 +133,4 @@ def unseal(secret: bytes | None, key: str, stored: bytes) -> bytes:
             "(tampered with, written by a node with another secret, or by one without secret_file). "
             "Nothing of it was executed; check that every node has the same secret, then look for who "
             "else writes that key (docs/security.md)")
-    check_pickle(key, state_bits)  # defense in depth: a leaked secret still cannot run code
     return state_bits

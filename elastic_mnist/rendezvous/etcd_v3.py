@@ -18,10 +18,12 @@ next heartbeat after keep_alive_interval x keep_alive_max_attempt (see torch's `
 that product above any etcd outage the job must ride out (an etcd restart: a few seconds), or the
 first node back declares all the others dead.
 
-Two shortcuts on top of torch's protocol, both from the backend side: a round (after the first) whose
-participants are every node with a live heartbeat is completed at once, without the last call
-(`close_when_everyone_is_in`); and an agent that exits while the job goes on (SIGTERM) takes itself out
-of the state on its way out (_leave.py), so only a SIGKILLed or frozen node costs the heartbeat window.
+Shortcuts on top of torch's protocol, all from the backend side (_prompt.py): a round whose
+participants are every live node completes without the last call; nobody sleeps a blind second
+between looks at the state (an etcd watch wakes them); a SIGKILLed node whose agent port refuses
+connections is dropped at once (_liveness.py, `peer_probe`); and an agent that exits while the job goes
+on (SIGTERM) takes itself out of the state on its way out (_leave.py). Only a frozen node, or one whose
+host vanished, still costs the heartbeat window.
 
 --rdzv-conf keys (anything else is rejected, naming the key):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
@@ -30,6 +32,7 @@ of the state on its way out (_leave.py), so only a SIGKILLed or frozen node cost
       jobs, where torch's own would be last_call_timeout=30, keep_alive_interval=5; a key given wins)
   read_timeout=10      deadline of each etcd call, seconds
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
+  peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
   user=NAME  password_file=PATH   etcd credentials (else $ELASTIC_MNIST_ETCD_USER and
                                   $ELASTIC_MNIST_ETCD_PASSWORD_FILE); password=SECRET works but warns (`ps` shows it)
@@ -43,10 +46,10 @@ unpickler always, an HMAC with secret_file. A refused state is ONE error, printe
 from __future__ import annotations
 
 import os
-import pickle
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed import Store
@@ -68,6 +71,8 @@ from elastic_mnist.rendezvous._client import (
 )
 from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
+from elastic_mnist.rendezvous._liveness import PeerLiveness
+from elastic_mnist.rendezvous._prompt import RoundView, make_prompt, sleep_instead
 from elastic_mnist.rendezvous._secrets import credentials, secret
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.store import EtcdV3Store
@@ -78,12 +83,11 @@ BACKEND_NAME = "etcd-v3"
 HANDLER_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
                 "keep_alive_interval", "keep_alive_max_attempt")
 CONNECTION_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "password")
-BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "secret_file", *CONNECTION_KEYS)
+BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "secret_file", "peer_probe", *CONNECTION_KEYS)
 # torchrun's LaunchConfig always adds `timeout` (--rdzv-timeout, 900 s by default); like torch's own
 # dynamic backends we ignore it: the join deadline is join_timeout.
 TORCHRUN_KEYS = ("timeout",)
 VALID_KEYS = frozenset(HANDLER_KEYS + BACKEND_KEYS + TORCHRUN_KEYS)
-EVERYONE_IS_IN = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a last-call deadline already passed
 
 
 class EtcdV3ConfigError(ValueError, UserError):
@@ -116,6 +120,7 @@ class EtcdV3Settings:
     key_prefix: str
     lease_ttl: int
     secret: bytes | None = None
+    peer_probe: bool = True
 
 
 def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
@@ -167,32 +172,45 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
         job_secret = secret(params.get("secret_file"))
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(str(exc)) from exc
-    return EtcdV3Settings(_connection(params), prefix, _lease_ttl(params), job_secret)
+    probe = _int_option(params, "peer_probe", 1)
+    if probe not in (0, 1):
+        raise EtcdV3ConfigError(f"--rdzv-conf peer_probe must be 0 or 1, not {params.get('peer_probe')!r}")
+    return EtcdV3Settings(_connection(params), prefix, _lease_ttl(params), job_secret, bool(probe))
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
     """Holds the dynamic rendezvous state in one etcd key; the token is the key's mod_revision.
-    Every state read is checked (`unseal`) before torch sees it; with a secret, every write is sealed."""
+    Every state read is checked (`unseal`) before torch sees it; with a secret, every write is sealed.
+    `view` (a RoundView) then adjusts what torch sees; `revision` is the last one read, for watches."""
 
     def __init__(self, client: EtcdV3Client, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
                  lease: LeaseKeeper | None = None, secret: bytes | None = None,
-                 keep_alive_window: timedelta | None = None) -> None:
+                 view: Callable[[bytes], bytes] | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
-        self._window = keep_alive_window
+        self._view = view
         self._lease = lease or LeaseKeeper(client, 0)
         self._secret = secret
         self.key = run_key(key_prefix, run_id, "state")
+        self.revision = 0
+        self.liveness: PeerLiveness | None = None  # set by create_backend when peer_probe is on
 
-    def _checked(self, stored: bytes) -> bytes:
+    def _checked(self, stored: bytes, revision: int) -> bytes:
         try:
             state_bits = unseal(self._secret, self.key, stored)
         except StateIntegrityError as exc:
             error = EtcdV3StateError(str(exc))
             report(error)
             raise error from None
-        return state_bits if self._window is None else close_when_everyone_is_in(state_bits, self._window)
+        self.revision = max(self.revision, revision)
+        return state_bits if self._view is None else self._view(state_bits)
+
+    def wait_for_change(self, seconds: float) -> bool:
+        """Block until the state key is written after the last revision we read, or `seconds` pass."""
+        if not self.revision:
+            return sleep_instead(seconds)
+        return self._client.wait_for_change(self.key, self.revision, seconds)
 
     @property
     def name(self) -> str:
@@ -206,7 +224,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         resp = self._client.call("read the rendezvous state", lambda c: c.get_response(self.key))
         if not resp.kvs:
             return None
-        return self._checked(resp.kvs[0].value), int(resp.kvs[0].mod_revision)
+        revision = int(resp.kvs[0].mod_revision)
+        return self._checked(resp.kvs[0].value, revision), revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token and not isinstance(token, int):
@@ -227,27 +246,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if not kvs:
             return None
         value, meta = kvs[0]
-        return self._checked(value), int(meta.mod_revision), bool(succeeded)
-
-
-def close_when_everyone_is_in(state_bits: bytes, window: timedelta) -> bytes:
-    """The state as torch should see it: an open round (after the first) whose participants are every
-    node with a live heartbeat gets its last-call deadline moved to the past, so the next node to look
-    completes it at once instead of waiting last_call_timeout for nobody.
-
-    Nodes in the wait or redundancy list, or joining (they all heartbeat), keep the round open as
-    before; a dead node's heartbeat counts until it is older than the keep-alive window, as in torch's
-    _sanitize. Round 0 keeps its last call: on a cold start nobody knows how many nodes are coming.
-    `state_bits` were checked by `unseal`, so they name only the rendezvous state's own classes."""
-    state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
-    if state.complete or state.closed or state.round == 0 or state.deadline is None or not state.participants:
-        return state_bits
-    oldest = datetime.now(timezone.utc) - window
-    alive = {node for node, beat in state.last_heartbeats.items() if beat >= oldest}
-    if not alive <= set(state.participants):
-        return state_bits
-    state.deadline = EVERYONE_IS_IN
-    return pickle.dumps(state)
+        return self._checked(value, int(meta.mod_revision)), int(meta.mod_revision), bool(succeeded)
 
 
 def with_tuned_defaults(params: RendezvousParameters) -> RendezvousParameters:
@@ -264,7 +263,11 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     lease = LeaseKeeper(client, settings.lease_ttl)
     window = timedelta(seconds=_int_option(params, "keep_alive_interval", 5)
                        * _int_option(params, "keep_alive_max_attempt", 3))  # torch's defaults
-    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret, window)
+    liveness = PeerLiveness(client, lease, settings.key_prefix, params.run_id, settings.secret) \
+        if settings.peer_probe else None
+    backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret,
+                                      RoundView(window, liveness))
+    backend.liveness = liveness
     store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease)
     try:
         backend.get_state()  # reachability, TLS, credentials and read permission in one round trip
@@ -290,5 +293,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # that chose our backend, and a value set by the user still wins.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     handler = create_handler(store, backend, params)
-    leave_at_exit(handler, backend.client)
+    make_prompt(handler, backend, backend.wait_for_change)
+    if backend.liveness is not None:
+        backend.liveness.publish(str(handler._this_node))  # noqa: SLF001 - the node name torch's state uses
+    leave_at_exit(handler, backend.client, backend.liveness)
     return handler

@@ -1,0 +1,158 @@
+"""A killed node leaves the rendezvous as soon as its agent's port refuses a connection, not after the
+keep-alive window.
+
+    torchrun --rdzv-backend=etcd-v3 ...                            # on by default
+    torchrun --rdzv-backend=etcd-v3 --rdzv-conf peer_probe=0 ...   # off: the keep-alive window alone
+
+Each agent listens on a TCP port of the address it reaches etcd from (its "beacon") and publishes
+`host:port` under `{prefix}/{run_id}/probe/{node}`, sealed with the job's secret when it has one. While a
+round is being formed (someone waits, or the round is open), the survivors connect to the beacons of the
+other participants. Only a refusal counts: a TCP reset comes from the peer's own kernel when nothing
+listens on that port any more, so the agent process is gone (SIGKILL, OOM kill, crash) while its host is
+up. A live agent never refuses, even frozen (SIGSTOP): its kernel completes the handshake into the
+backlog. A host that vanished answers nothing; a timeout proves nothing, and the keep-alive window
+decides as before. So a probe can only shorten the wait for a node that is certainly dead.
+
+A network policy that *rejects* (not drops) traffic to the beacon port would make live nodes look dead
+(they rejoin at the next round); allow agent-to-agent TCP within the job, or set peer_probe=0.
+"""
+
+from __future__ import annotations
+
+import errno
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterable
+
+from elastic_mnist.rendezvous._client import EtcdV3Client, run_key
+from elastic_mnist.rendezvous._lease import LeaseKeeper
+from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
+
+PROBE_TIMEOUT_S = 0.3
+RECHECK_S = 0.5  # a peer that answered is asked again after this long, at the earliest
+
+
+def advertised_host(etcd_host: str, etcd_port: int) -> str:
+    """The local address this host reaches etcd from: the one peers can reach us on, too."""
+    family, _, _, _, addr = socket.getaddrinfo(etcd_host, etcd_port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: nothing is sent, the kernel only picks the route
+        return s.getsockname()[0]
+
+
+class Beacon:
+    """A listening socket that accepts and drops connections, for as long as this process lives."""
+
+    def __init__(self, host: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.bind((host, 0))
+        self._sock.listen(64)
+        self.address = f"[{host}]:{self.port}" if family == socket.AF_INET6 else f"{host}:{self.port}"
+        threading.Thread(target=self._serve, name="rdzv-beacon", daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return self._sock.getsockname()[1]
+
+    def _serve(self) -> None:
+        # Accepting only keeps the backlog from filling: the handshake already told the prober we live.
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
+    """The names whose `host:port` refused a TCP connection; all are probed at once, within `timeout`."""
+    sel, socks, gone = selectors.DefaultSelector(), [], set()
+    for name, address in addresses.items():
+        try:
+            host, port = _split(address)
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        except (ValueError, OSError):
+            continue  # not an address we can probe: no proof either way
+        socks.append(s)
+        s.setblocking(False)
+        code = s.connect_ex((host, port))
+        if code == errno.ECONNREFUSED:
+            gone.add(name)
+        elif code in (0, errno.EINPROGRESS):
+            sel.register(s, selectors.EVENT_WRITE, name)
+    deadline = time.monotonic() + timeout
+    while sel.get_map() and (left := deadline - time.monotonic()) > 0:
+        for key, _ in sel.select(left):
+            if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED:
+                gone.add(key.data)
+            sel.unregister(key.fileobj)
+    sel.close()
+    for s in socks:
+        s.close()
+    return gone
+
+
+class PeerLiveness:
+    """Publishes this agent's beacon and tells which of the named nodes are certainly gone."""
+
+    def __init__(self, client: EtcdV3Client, lease: LeaseKeeper, key_prefix: str, run_id: str,
+                 secret: bytes | None) -> None:
+        self._client, self._lease, self._secret = client, lease, secret
+        self._dir = run_key(key_prefix, run_id, "probe") + "/"
+        self._beacon: Beacon | None = None
+        self._own_key: str | None = None
+        self._answered: dict[str, float] = {}  # node -> when it last accepted a connection
+
+    def publish(self, node: str) -> None:
+        """Start the beacon and write its address; safe to repeat (one beacon per process)."""
+        if self._beacon is None:
+            spec = self._client.spec
+            self._beacon = Beacon(advertised_host(spec.host, spec.port))
+        key = self._dir + node
+        value = seal(self._secret, key, self._beacon.address.encode())
+        self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
+        self._own_key = key
+
+    def gone(self, nodes: Iterable[str]) -> set[str]:
+        """Of `nodes`, those whose published beacon refuses connections (none without a published one)."""
+        now = time.monotonic()
+        wanted = {n for n in nodes if now - self._answered.get(n, -RECHECK_S) >= RECHECK_S}
+        if not wanted:
+            return set()
+        published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
+        addresses = {}
+        for value, meta in published:
+            key = meta.key.decode()
+            name = key[len(self._dir):]
+            if name in wanted:
+                try:
+                    addresses[name] = verified(self._secret, key, value).decode()
+                except (StateIntegrityError, UnicodeDecodeError):
+                    continue  # not written by this job: no proof of anything
+        dead = refused(addresses)
+        self._answered.update({n: now for n in addresses.keys() - dead})
+        return dead
+
+    def forget(self, node: str) -> None:
+        """Remove a dead node's beacon key: it has no owner left to do it."""
+        key = self._dir + node
+        self._client.call("remove a dead agent's beacon", lambda c: c.delete(key))
+
+    def close(self) -> None:
+        """Stop listening and take our key out (at the agent's exit; bounded by the client's settings)."""
+        if self._beacon is not None:
+            self._beacon.close()
+        if self._own_key is not None:
+            key, self._own_key = self._own_key, None
+            self._client.call("remove the agent's beacon", lambda c: c.delete(key))

@@ -1,0 +1,134 @@
+"""Rounds that complete as soon as they can, on torch's own rendezvous protocol.
+
+    torchrun --rdzv-backend=etcd-v3 ...    # applied by create_rdzv_handler; peer_probe=0 turns probing off
+
+torch's DynamicRendezvousHandler is correct but unhurried. It waits `last_call_timeout` for late
+joiners even when every live node is already in, it sleeps one second before each new look at the
+state, it caches the state for one second (so an agent notices a joining node up to 1.5 s late), and it
+keeps a SIGKILLed node in the round until its heartbeat is older than the keep-alive window. Here:
+
+- `RoundView` is what torch is shown of every state it reads: the heartbeat of a participant whose
+  beacon refuses connections (_liveness.py) is aged out, so torch's own sanitizer drops it now; and an
+  open round (after the first) whose participants are every node with a live heartbeat gets a last-call
+  deadline in the past, so the next node to look completes it.
+- `make_prompt` gives the handler a state holder without the 1 s cache, and an op executor that, where
+  torch would sleep 1 s, waits for the state key to change (an etcd watch), for at most that second.
+
+The protocol (who may write what, the fencing token) is torch's, unchanged.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
+    _RendezvousExitOp,
+)
+
+from elastic_mnist.rendezvous._liveness import PeerLiveness
+
+LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat, or a last-call deadline, long passed
+POLL_S = 1.0  # torch's pause between looks at the state; now the longest wait for a change
+
+
+class RoundView:
+    """Applied to each state read from etcd, after `unseal` checked it (so it names only torch's classes)."""
+
+    def __init__(self, window: timedelta, liveness: PeerLiveness | None) -> None:
+        self.window, self.liveness = window, liveness
+        self._dead: set[str] = set()  # found dead by this agent: dropped again if a stale state names them
+
+    def __call__(self, state_bits: bytes) -> bytes:
+        state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
+        changed = self._drop_dead(state)
+        changed = close_when_everyone_is_in(state, self.window) or changed
+        return pickle.dumps(state) if changed else state_bits
+
+    def _drop_dead(self, state) -> bool:
+        # Probing only while a round forms: a steady job costs no connections.
+        forming = not state.complete or bool(state.wait_list)
+        if self.liveness is None or state.closed or not forming or not state.participants:
+            return False
+        names = {str(node): node for node in state.participants}
+        found = self.liveness.gone(names.keys() - self._dead)
+        for name in found:
+            self._forget(name)
+        dead = (self._dead | found) & names.keys()
+        for name in dead:
+            state.last_heartbeats[names[name]] = LONG_AGO
+        self._dead |= found
+        return bool(dead)
+
+    def _forget(self, name: str) -> None:
+        try:
+            self.liveness.forget(name)
+        except Exception:  # noqa: BLE001 - its lease expires it anyway; dropping the node matters more
+            pass
+
+
+def close_when_everyone_is_in(state, window: timedelta) -> bool:
+    """Move an open round's last-call deadline to the past when every node with a live heartbeat (one
+    younger than the keep-alive window, as torch's sanitizer counts) is a participant.
+
+    Nodes in the wait or redundancy list, or joining (they all heartbeat), keep the round open as before.
+    Round 0 keeps its last call: on a cold start nobody knows how many nodes are coming."""
+    if state.complete or state.closed or state.round == 0 or state.deadline is None or not state.participants:
+        return False
+    oldest = datetime.now(timezone.utc) - window
+    alive = {node for node, beat in state.last_heartbeats.items() if beat >= oldest}
+    if not alive <= set(state.participants):
+        return False
+    state.deadline = LONG_AGO
+    return True
+
+
+class PromptOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's op executor, except that a state handler's SYNC (nothing to do but look again) waits for
+    the state to change rather than sleeping: the handler only sees actions that act."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, wait_for_change: Callable[[float], bool]) -> None:
+        super().__init__(handler._this_node, handler._state_holder, handler._settings)  # noqa: SLF001
+        self._wait_for_change = wait_for_change
+        self._rejoining = False
+
+    def run(self, state_handler, deadline: float, update_deadline=None) -> None:
+        # torch's next_rendezvous runs its plain exit op, then a join op: this node is coming straight back.
+        self._rejoining = type(state_handler) is _RendezvousExitOp
+        def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
+            action = state_handler(ctx, deadline)
+            while action == _Action.SYNC:
+                self._wait_for_change(POLL_S)
+                self._state_holder.sync()
+                # torch's loop acts on self._state: it must be the state the action was chosen from.
+                self._state = self._state_holder.state
+                action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
+            return action
+
+        super().run(prompt, deadline, update_deadline)
+
+    def _remove_from_participants(self) -> None:
+        super()._remove_from_participants()
+        if self._rejoining:
+            # torch drops the heartbeat too; kept, it tells the others that a live node is on its way into
+            # the next round, so they do not complete it without us (close_when_everyone_is_in).
+            self._state.last_heartbeats[self._node] = datetime.now(timezone.utc)
+
+
+def make_prompt(handler: DynamicRendezvousHandler, backend, wait_for_change: Callable[[float], bool]) -> None:
+    """Swap in the uncached state holder and the prompt executor, before the handler's first use."""
+    handler._state_holder = _BackendRendezvousStateHolder(backend, handler._settings, cache_duration=0)  # noqa: SLF001
+    handler._op_executor = PromptOpExecutor(handler, wait_for_change)  # noqa: SLF001
+
+
+def sleep_instead(seconds: float) -> bool:
+    """The wait when there is no state revision to watch from yet."""
+    time.sleep(seconds)
+    return False
