@@ -27,6 +27,7 @@ from elastic_mnist.data import BatchPlan
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.fault_points import FaultPoints
 from elastic_mnist.metrics import Metrics, Throughput, process_age_s
+from elastic_mnist.parallel import DataParallel
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.task import Task
 
@@ -57,7 +58,7 @@ class Trainer:
                  checkpoints: CheckpointManager, report: Reporting, control: ControlPlane):
         self.config, self.env, self.rank, self.world_size = config, env, env.rank, env.world_size
         self.task, self.model, self.optimizer = learner.task, learner.model, learner.optimizer
-        self.ddp = nn.parallel.DistributedDataParallel(self.model) if env.world_size > 1 else self.model
+        self.replicas = DataParallel(self.model, env.world_size)
         self.inputs, self.plan = inputs, plan
         self.checkpoints, self.report, self.metrics, self.control = checkpoints, report, report.metrics, control
         self.stop = control.stop
@@ -80,10 +81,11 @@ class Trainer:
         """This rank's share of global step `step`; leaves the globally averaged gradient in .grad."""
         x, y, idx = self.inputs.batch(step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self.task.loss(self.ddp(x), y)
-        # DDP averages gradients over ranks; scaling by world/B makes that average the mean over the
+        loss_sum = self.task.loss(self.replicas(x), y)
+        # Gradients are averaged over ranks; scaling by world/B makes that average the mean over the
         # whole global batch however unevenly it was split.
         (loss_sum * (self.world_size / self.config.global_batch_size)).backward()
+        self.replicas.average_gradients()
         return loss_sum.detach(), idx
 
     def _agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:

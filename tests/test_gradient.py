@@ -2,6 +2,7 @@
 single-process gradient of the same global batch."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -20,16 +21,24 @@ def _split(n: int = 600) -> Split:
 
 
 def _grads(rank: int, world: int, step: int) -> list[torch.Tensor]:
+    return _step(rank, world, step)[0]
+
+
+def _step(rank: int, world: int, step: int) -> tuple[list[torch.Tensor], bool]:
     config = TrainConfig(global_batch_size=128, log_dir="")
     trainer = in_process_trainer(config, _split(), _split(50), DistEnv(rank=rank, world_size=world), writes=False)
     trainer.forward_backward(step)
-    return [p.grad.clone() for p in trainer.model.parameters()]
+    return [p.grad.clone() for p in trainer.model.parameters()], trainer.replicas.uses_ddp
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        torch.save(_grads(rank, world, step=3), os.path.join(out_dir, f"grads{rank}.pt"))
+        grads, uses_ddp = _step(rank, world, step=3)
+        torch.save(grads, os.path.join(out_dir, f"grads{rank}.pt"))
+        # The MLP has no buffers: its gradients are averaged without DDP, whose constructor imports
+        # torch._dynamo (a second of every worker start).
+        assert not uses_ddp and "torch._dynamo" not in sys.modules
     finally:
         dist.destroy_process_group()
 
@@ -46,3 +55,27 @@ def test_ddp_gradient_over_three_uneven_ranks_equals_single_process(tmp_path):
         got = torch.load(tmp_path / f"grads{rank}.pt", weights_only=True)
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def _bn_worker(rank: int, world: int, store_path: str) -> None:
+    from elastic_mnist.parallel import DataParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)  # different starting weights: both paths must start every rank from rank 0's
+        for model in (torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), torch.nn.Linear(4, 3)):
+            replicas = DataParallel(model, world)
+            assert replicas.uses_ddp is isinstance(model, torch.nn.Sequential)  # buffers -> DDP
+            replicas(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+            replicas.average_gradients()
+            for t in [*model.parameters(), *(p.grad for p in model.parameters())]:
+                gathered = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(gathered, t.detach().contiguous())
+                assert all(torch.equal(gathered[0], g) for g in gathered), "ranks disagree"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_models_with_and_without_buffers_end_each_step_identical_on_every_rank(tmp_path):
+    mp.spawn(_bn_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
