@@ -67,6 +67,10 @@ class Beacon:
             conn.close()
 
     def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(); close() alone does not
+        except OSError:
+            pass
         self._sock.close()
 
 
@@ -115,12 +119,12 @@ class PeerLiveness:
         self._answered: dict[str, float] = {}  # node -> when it last accepted a connection
 
     def publish(self, node: str) -> None:
-        """Start the beacon and write its address; safe to repeat (one beacon per process)."""
+        """Start the beacon and write its address and host name; safe to repeat (one beacon per process)."""
         if self._beacon is None:
             spec = self._client.spec
             self._beacon = Beacon(advertised_host(spec.host, spec.port))
         key = self._dir + node
-        value = seal(self._secret, key, self._beacon.address.encode())
+        value = seal(self._secret, key, f"{self._beacon.address} {socket.gethostname()}".encode())
         self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
         self._own_key = key
 
@@ -136,13 +140,29 @@ class PeerLiveness:
             key = meta.key.decode()
             name = key[len(self._dir):]
             if name in wanted:
-                try:
-                    addresses[name] = verified(self._secret, key, value).decode()
-                except (StateIntegrityError, UnicodeDecodeError):
-                    continue  # not written by this job: no proof of anything
+                address = self._probeable(key, value)
+                if address:
+                    addresses[name] = address
         dead = refused(addresses)
+        for name in dead:
+            self._answered.pop(name, None)
         self._answered.update({n: now for n in addresses.keys() - dead})
         return dead
+
+    def answered(self, node: str) -> bool:
+        """Has this node's beacon ever accepted our connection since it was last found dead?"""
+        return node in self._answered
+
+    def _probeable(self, key: str, value: bytes) -> str | None:
+        """The beacon address in a published value, if this agent can probe it meaningfully."""
+        try:
+            address, _, host = verified(self._secret, key, value).decode().partition(" ")
+        except (StateIntegrityError, UnicodeDecodeError):
+            return None  # not written by this job: no proof of anything
+        # A loopback beacon (etcd reached through 127.0.0.1, e.g. a local proxy) is only ours to probe on
+        # the host that published it: elsewhere the same address is our own loopback, which would refuse.
+        loopback = address.startswith(("127.", "[::1]", "localhost"))
+        return None if loopback and host and host != socket.gethostname() else address
 
     def forget(self, node: str) -> None:
         """Remove a dead node's beacon key: it has no owner left to do it."""

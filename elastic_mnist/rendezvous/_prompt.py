@@ -53,18 +53,21 @@ class RoundView:
         return pickle.dumps(state) if changed else state_bits
 
     def _drop_dead(self, state) -> bool:
-        # Probing only while a round forms: a steady job costs no connections.
+        # Probing only while a round forms: a steady job costs no connections. Every node with a
+        # heartbeat is probed: participants, waiting nodes, and nodes between their exit and re-join.
         forming = not state.complete or bool(state.wait_list)
-        if self.liveness is None or state.closed or not forming or not state.participants:
+        if self.liveness is None or state.closed or not forming or not state.last_heartbeats:
             return False
-        names = {str(node): node for node in state.participants}
-        found = self.liveness.gone(names.keys() - self._dead)
+        names = {str(node): node for node in state.last_heartbeats}
+        found = self.liveness.gone(names.keys())
         for name in found:
             self._forget(name)
-        dead = (self._dead | found) & names.keys()
+        # Remembered because the key goes with _forget; a node back under the same name (its beacon
+        # answers again) is alive.
+        self._dead = {n for n in self._dead if not self.liveness.answered(n)} | found
+        dead = self._dead & names.keys()
         for name in dead:
             state.last_heartbeats[names[name]] = LONG_AGO
-        self._dead |= found
         return bool(dead)
 
     def _forget(self, name: str) -> None:
