@@ -107,3 +107,14 @@ def test_one_epoch_reaches_the_accuracy_bar(mnist_root, tmp_path):
     assert summary["test_accuracy"] >= (0.96 if real else 0.95)
     assert summary["checkpoints_saved"] >= 1 and summary["checkpoint_block_ms_mean"] > 0
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "runs"))
+
+
+def test_a_resuming_worker_imports_nothing_heavy_it_does_not_use(small_mnist, tmp_path):
+    """Every membership change starts new workers: torch._dynamo (which torch.optim.Adam and DDP import,
+    a second on this machine), torchvision and matplotlib stay off that path."""
+    assert run_train(_args(small_mnist, tmp_path, "i", "--max-steps", "3")).returncode == 0
+    run = run_train(_args(small_mnist, tmp_path, "i", "--max-steps", "6"), PYTHONPROFILEIMPORTTIME="1")
+    assert run.returncode == 0, run.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and "elastic_mnist.trainer" in imported, "the import log is read"
+    assert not imported & {"torch._dynamo", "torchvision", "matplotlib"}, sorted(imported & {"torch._dynamo", "torchvision", "matplotlib"})
