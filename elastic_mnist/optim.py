@@ -79,6 +79,8 @@ class Adam:
     def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
         if grad.is_sparse:
             raise RuntimeError("Adam does not support sparse gradients; use torch.optim.SparseAdam")
+        if torch.is_complex(p):
+            raise RuntimeError("elastic_mnist.optim.Adam does not support complex parameters; use torch.optim.Adam")
         state = self.state[p]
         if not state:
             # The step count lives on the CPU (as in torch when not capturable): reading it costs no device sync.

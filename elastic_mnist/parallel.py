@@ -24,6 +24,7 @@ class DataParallel:
         self.uses_ddp = world_size > 1 and any(True for _ in model.buffers())
         self.module = nn.parallel.DistributedDataParallel(model) if self.uses_ddp else model
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._used: torch.Tensor | None = None  # the all-ones "every parameter was used" flags, reused
         if world_size > 1 and not self.uses_ddp:
             self._same_start()
 
@@ -38,12 +39,21 @@ class DataParallel:
     def average_gradients(self) -> None:
         if self.world_size == 1 or self.uses_ddp:
             return
-        for p in self._params:
-            if p.grad is None:  # unused in this forward: it still takes part, as zeros (as in DDP)
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self._params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        flat.div_(self.world_size)  # divide first, as DDP does: the same sum, the same rounding
+        missing = [p.grad is None for p in self._params]
+        grads = [torch.zeros_like(p) if m else p.grad for p, m in zip(self._params, missing)]
+        if self._used is None:
+            self._used = torch.ones(len(grads), dtype=grads[0].dtype, device=grads[0].device)
+        # One flag per parameter rides along: a parameter no rank used keeps grad None (Adam skips it, as it
+        # does at world size 1); one that some rank used counts as zeros where it was not.
+        used = self._used.new_tensor([0.0 if m else 1.0 for m in missing]) if any(missing) else self._used
+        flat = torch.cat([g.reshape(-1) for g in grads] + [used])
+        flat.div_(self.world_size)  # divided before the sum, as DDP's default communication hook does
         dist.all_reduce(flat)
-        for g, synced in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-            g.copy_(synced.view_as(g))
+        parts = torch.split(flat, [g.numel() for g in grads] + [len(grads)])
+        # Only a rank that lacks a gradient has to ask whether anyone used it (a host sync, off the usual path).
+        anywhere = parts[-1].tolist() if any(missing) else None
+        for i, (p, g, synced) in enumerate(zip(self._params, grads, parts)):
+            if not missing[i]:
+                g.copy_(synced.view_as(g))
+            elif anywhere[i] > 0:
+                p.grad = synced.view_as(p).clone()

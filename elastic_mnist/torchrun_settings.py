@@ -11,7 +11,7 @@ from __future__ import annotations
 MAX_RESTARTS = 100
 
 # How often the agent checks its workers and the rendezvous for waiting nodes. torch's default; each tick
-# is one small etcd read, cheap next to noticing a failed worker or a joining node late.
+# reads the rendezvous state (one small etcd key), cheap next to noticing a failed worker or a joining node late.
 MONITOR_INTERVAL = 0.1
 
 # Rendezvous timing per backend. last_call_timeout is how long a round stays open for late joiners

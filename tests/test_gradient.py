@@ -72,6 +72,7 @@ def _bn_worker(rank: int, world: int, store_path: str) -> None:
                 gathered = [torch.empty_like(t) for _ in range(world)]
                 dist.all_gather(gathered, t.detach().contiguous())
                 assert all(torch.equal(gathered[0], g) for g in gathered), "ranks disagree"
+        _branches_used_by_some_ranks_or_none(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -79,3 +80,26 @@ def _bn_worker(rank: int, world: int, store_path: str) -> None:
 @pytest.mark.slow
 def test_models_with_and_without_buffers_end_each_step_identical_on_every_rank(tmp_path):
     mp.spawn(_bn_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def _branches_used_by_some_ranks_or_none(rank: int, world: int) -> None:
+    from elastic_mnist.parallel import DataParallel
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.never = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+            return self.a(x) + self.b(x) if use_b else self.a(x)
+
+    model = Branchy()
+    replicas = DataParallel(model, world)
+    replicas(torch.ones(2, 4), rank == 0).sum().backward()
+    replicas.average_gradients()
+    # Unused everywhere: no gradient, as at world size 1 (Adam leaves it alone); used by rank 0 only: the
+    # average counts the other ranks as zeros, the same on every rank.
+    assert model.never.weight.grad is None
+    gathered = [torch.empty_like(model.b.weight) for _ in range(world)]
+    dist.all_gather(gathered, model.b.weight.grad)
+    assert all(torch.equal(gathered[0], g) for g in gathered) and gathered[0].abs().sum() > 0

@@ -378,3 +378,47 @@ def test_a_loopback_beacon_is_probed_only_on_the_host_that_published_it(etcd: Et
     client.put(f"{PREFIX}/{run_id}/probe/here_1_0", f"{closed_address()} {here}")
     client.close()
     assert liveness(etcd, run_id, None).gone(["there_1_0", "here_1_0"]) == {"here_1_0"}
+
+
+def test_refused_ignores_what_is_not_a_numeric_address() -> None:
+    """A malformed published value must not break the state read, nor cost a DNS lookup."""
+    bad = {"port": "127.0.0.1:99999", "name": "localhost:80", "junk": "nonsense"}
+    assert refused({**bad, "closed": closed_address()}) == {"closed"}
+
+
+def _aged(view: RoundView, beat: datetime) -> bool:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    node, state = _NodeDesc("10.9.9.9", 7, 0), _RendezvousState()
+    state.round, state.participants, state.last_heartbeats = 1, {node: 0}, {node: beat}
+    [seen] = pickle.loads(view(pickle.dumps(state))).last_heartbeats.values()  # noqa: S301 - our own pickle
+    return seen == LONG_AGO
+
+
+def test_a_dead_node_stays_dead_in_stale_states_until_it_beats_again(etcd: EtcdServer) -> None:
+    """Its key goes with the first verdict; a stale state (the old heartbeat) is aged again from memory, and
+    a newer heartbeat (which a dead agent cannot write) ends the verdict: a wrong refusal does not last."""
+    run_id, node = "stale-states", "10.9.9.9_7_0"
+    client = raw_client(etcd)
+    client.put(f"{PREFIX}/{run_id}/probe/{node}", closed_address())
+    client.close()
+    view, then = RoundView(timedelta(seconds=30), liveness(etcd, run_id, None)), datetime.now(timezone.utc)
+    assert _aged(view, then) and probe_keys(etcd, run_id) == {}, "refused: aged, its key removed"
+    assert _aged(view, then), "a stale state naming it with the same heartbeat"
+    assert not _aged(view, then + timedelta(seconds=1)), "it wrote a newer heartbeat: alive"
+
+
+def test_a_dead_nodes_key_rewritten_since_the_probe_is_kept_and_we_never_judge_ourselves(etcd: EtcdServer) -> None:
+    run_id = "rewritten"
+    client = raw_client(etcd)
+    client.put(f"{PREFIX}/{run_id}/probe/x_1_0", closed_address())
+    observer = liveness(etcd, run_id, None)
+    assert observer.gone(["x_1_0"]) == {"x_1_0"}
+    client.put(f"{PREFIX}/{run_id}/probe/x_1_0", closed_address())  # the same name published again meanwhile
+    observer.forget("x_1_0")
+    assert set(probe_keys(etcd, run_id)) == {"x_1_0"}, "forget() removes only the key it probed"
+    client.close()
+    me = liveness(etcd, run_id, None)
+    me.publish("me_1_0")
+    me._beacon.close()  # noqa: SLF001 - even a refusing beacon of our own is no verdict on us
+    assert me.gone(["me_1_0"]) == set()

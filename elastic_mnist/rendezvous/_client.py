@@ -243,8 +243,8 @@ class EtcdV3Client:
             requests(), seconds, credentials=client.call_credentials, metadata=client.metadata)
         try:
             for response in stream:
-                if response.events or response.canceled:  # canceled: e.g. revision compacted
-                    return bool(response.events)
+                if response.events or response.canceled:  # canceled: e.g. revision compacted; no hot loop
+                    return bool(response.events) or finished.wait(min(0.2, max(0.0, deadline - time.monotonic())))
             return False
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:

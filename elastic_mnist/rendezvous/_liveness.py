@@ -13,13 +13,15 @@ up. A live agent never refuses, even frozen (SIGSTOP): its kernel completes the 
 backlog. A host that vanished answers nothing; a timeout proves nothing, and the keep-alive window
 decides as before. So a probe can only shorten the wait for a node that is certainly dead.
 
-A network policy that *rejects* (not drops) traffic to the beacon port would make live nodes look dead
-(they rejoin at the next round); allow agent-to-agent TCP within the job, or set peer_probe=0.
+A node judged dead that writes a newer heartbeat is taken back (_prompt.RoundView). A network policy
+that *rejects* (not drops) traffic to the beacon port would still drop live nodes from every round that
+forms; allow agent-to-agent TCP within the job, or set peer_probe=0.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import selectors
 import socket
 import threading
@@ -75,8 +77,12 @@ class Beacon:
 
 
 def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
+    host, _, port_text = address.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    ipaddress.ip_address(host)  # ValueError unless numeric: a host name would mean a blocking DNS lookup
+    if not 0 < port < 65536:
+        raise ValueError(f"bad port {port}")
+    return host, port
 
 
 def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
@@ -90,7 +96,10 @@ def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[
             continue  # not an address we can probe: no proof either way
         socks.append(s)
         s.setblocking(False)
-        code = s.connect_ex((host, port))
+        try:
+            code = s.connect_ex((host, port))
+        except OSError:
+            continue
         if code == errno.ECONNREFUSED:
             gone.add(name)
         elif code in (0, errno.EINPROGRESS):
@@ -115,8 +124,9 @@ class PeerLiveness:
         self._client, self._lease, self._secret = client, lease, secret
         self._dir = run_key(key_prefix, run_id, "probe") + "/"
         self._beacon: Beacon | None = None
-        self._own_key: str | None = None
-        self._answered: dict[str, float] = {}  # node -> when it last accepted a connection
+        self._own: str | None = None
+        self._answered: dict[str, float] = {}  # node -> when its beacon last did not refuse
+        self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
 
     def publish(self, node: str) -> None:
         """Start the beacon and write its address and host name; safe to repeat (one beacon per process)."""
@@ -126,12 +136,13 @@ class PeerLiveness:
         key = self._dir + node
         value = seal(self._secret, key, f"{self._beacon.address} {socket.gethostname()}".encode())
         self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
-        self._own_key = key
+        self._own = node
 
     def gone(self, nodes: Iterable[str]) -> set[str]:
-        """Of `nodes`, those whose published beacon refuses connections (none without a published one)."""
+        """Of `nodes`, those whose published beacon refuses connections (none without a published one;
+        never this agent itself)."""
         now = time.monotonic()
-        wanted = {n for n in nodes if now - self._answered.get(n, -RECHECK_S) >= RECHECK_S}
+        wanted = {n for n in nodes if now - self._answered.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
         if not wanted:
             return set()
         published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
@@ -143,15 +154,12 @@ class PeerLiveness:
                 address = self._probeable(key, value)
                 if address:
                     addresses[name] = address
+                    self._revisions[name] = meta.mod_revision
         dead = refused(addresses)
         for name in dead:
             self._answered.pop(name, None)
         self._answered.update({n: now for n in addresses.keys() - dead})
         return dead
-
-    def answered(self, node: str) -> bool:
-        """Has this node's beacon ever accepted our connection since it was last found dead?"""
-        return node in self._answered
 
     def _probeable(self, key: str, value: bytes) -> str | None:
         """The beacon address in a published value, if this agent can probe it meaningfully."""
@@ -161,18 +169,22 @@ class PeerLiveness:
             return None  # not written by this job: no proof of anything
         # A loopback beacon (etcd reached through 127.0.0.1, e.g. a local proxy) is only ours to probe on
         # the host that published it: elsewhere the same address is our own loopback, which would refuse.
-        loopback = address.startswith(("127.", "[::1]", "localhost"))
+        loopback = address.startswith(("127.", "[::1]"))
         return None if loopback and host and host != socket.gethostname() else address
 
     def forget(self, node: str) -> None:
-        """Remove a dead node's beacon key: it has no owner left to do it."""
-        key = self._dir + node
-        self._client.call("remove a dead agent's beacon", lambda c: c.delete(key))
+        """Remove a dead node's beacon key (it has no owner left to do it), unless it was written again since
+        we probed it: an agent back under the same name (same address and pid) keeps its new key."""
+        key, revision = self._dir + node, self._revisions.pop(node, None)
+        if revision is None:
+            return
+        self._client.call("remove a dead agent's beacon", lambda c: c.transaction(
+            compare=[c.transactions.mod(key) == revision], success=[c.transactions.delete(key)], failure=[]))
 
     def close(self) -> None:
         """Stop listening and take our key out (at the agent's exit; bounded by the client's settings)."""
         if self._beacon is not None:
             self._beacon.close()
-        if self._own_key is not None:
-            key, self._own_key = self._own_key, None
+        if self._own is not None:
+            key, self._own = self._dir + self._own, None
             self._client.call("remove the agent's beacon", lambda c: c.delete(key))

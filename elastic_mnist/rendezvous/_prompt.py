@@ -44,7 +44,10 @@ class RoundView:
 
     def __init__(self, window: timedelta, liveness: PeerLiveness | None) -> None:
         self.window, self.liveness = window, liveness
-        self._dead: set[str] = set()  # found dead by this agent: dropped again if a stale state names them
+        # Found dead by this agent, with the heartbeat each had then: a dead agent writes no newer one, so
+        # a stale state naming it is aged again, and a newer heartbeat means it lives (a refusal we got
+        # wrong, or an agent back under the same name).
+        self._dead: dict[str, datetime] = {}
 
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
@@ -59,13 +62,12 @@ class RoundView:
         if self.liveness is None or state.closed or not forming or not state.last_heartbeats:
             return False
         names = {str(node): node for node in state.last_heartbeats}
-        found = self.liveness.gone(names.keys())
-        for name in found:
+        beats = {name: state.last_heartbeats[node] for name, node in names.items()}
+        self._dead = {n: beat for n, beat in self._dead.items() if n not in beats or beats[n] <= beat}
+        for name in self.liveness.gone(names.keys() - self._dead.keys()):
+            self._dead[name] = beats[name]
             self._forget(name)
-        # Remembered because the key goes with _forget; a node back under the same name (its beacon
-        # answers again) is alive.
-        self._dead = {n for n in self._dead if not self.liveness.answered(n)} | found
-        dead = self._dead & names.keys()
+        dead = self._dead.keys() & names.keys()
         for name in dead:
             state.last_heartbeats[names[name]] = LONG_AGO
         return bool(dead)

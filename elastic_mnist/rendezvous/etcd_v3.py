@@ -12,11 +12,9 @@ a crashed job cannot block a new one; a reused run id recovers once the dead nod
 out (keep_alive_interval x keep_alive_max_attempt, 3 s by default).
 
 Bounds: every etcd call has a deadline of read_timeout (10 s by default), and the handler probes etcd
-when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s (a
-refused connection: at once). A node that dies or freezes is dropped from the state by the survivors'
-next heartbeat after keep_alive_interval x keep_alive_max_attempt (see torch's `_sanitize`). Keep
-that product above any etcd outage the job must ride out (an etcd restart: a few seconds), or the
-first node back declares all the others dead.
+when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s. Keep the
+keep-alive window above any etcd outage the job must ride out, or the first node back declares all the
+others dead.
 
 Shortcuts on top of torch's protocol, all from the backend side (_prompt.py): a round whose
 participants are every live node completes without the last call; nobody sleeps a blind second
@@ -27,9 +25,7 @@ host vanished, still costs the heartbeat window.
 
 --rdzv-conf keys (anything else is rejected, naming the key):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
-  keep_alive_interval=1 keep_alive_max_attempt=3                               torch's handler
-      (defaults: elastic_mnist.torchrun_settings.RDZV_CONF["etcd-v3"], the values we tuned for elastic
-      jobs, where torch's own would be last_call_timeout=30, keep_alive_interval=5; a key given wins)
+  keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; defaults: torchrun_settings.RDZV_CONF
   read_timeout=10      deadline of each etcd call, seconds
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
@@ -210,7 +206,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """Block until the state key is written after the last revision we read, or `seconds` pass."""
         if not self.revision:
             return sleep_instead(seconds)
-        return self._client.wait_for_change(self.key, self.revision, seconds)
+        try:
+            return self._client.wait_for_change(self.key, self.revision, seconds)
+        except EtcdV3Error:  # cannot even connect: torch's next look at the state reports it properly
+            return sleep_instead(seconds)
 
     @property
     def name(self) -> str:
@@ -295,6 +294,10 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend, backend.wait_for_change)
     if backend.liveness is not None:
-        backend.liveness.publish(str(handler._this_node))  # noqa: SLF001 - the node name torch's state uses
+        try:
+            backend.liveness.publish(str(handler._this_node))  # noqa: SLF001 - the node name torch's state uses
+        except OSError as exc:  # no route or address for a beacon: probing others still works
+            print(f"elastic-mnist {BACKEND_NAME}: warning: no beacon for this agent ({exc}); others drop it "
+                  "after the keep-alive window if it is killed (peer_probe=0 turns probing off)", file=sys.stderr)
     leave_at_exit(handler, backend.client, backend.liveness)
     return handler
