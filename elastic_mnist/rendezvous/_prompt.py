@@ -131,6 +131,10 @@ def make_prompt(handler: DynamicRendezvousHandler, backend, wait_for_change: Cal
     """Swap in the uncached state holder and the prompt executor, before the handler's first use."""
     handler._state_holder = _BackendRendezvousStateHolder(backend, handler._settings, cache_duration=0)  # noqa: SLF001
     handler._op_executor = PromptOpExecutor(handler, wait_for_change)  # noqa: SLF001
+    # torch waits a random 0-0.3 s before a node's first join while the state it holds says round 0, to
+    # spread a cold start's first writes. Read once now, a node joining a running job knows its round and
+    # joins at once; on a cold start the state is still round 0 and the spread stays.
+    handler._state_holder.sync()  # noqa: SLF001
 
 
 def sleep_instead(seconds: float) -> bool:
