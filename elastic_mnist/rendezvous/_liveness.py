@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from elastic_mnist.rendezvous._client import EtcdV3Client, run_key
+from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key, split_endpoint
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
 
@@ -77,11 +77,11 @@ class Beacon:
 
 
 def _split(address: str) -> tuple[str, int]:
-    host, _, port_text = address.rpartition(":")
-    host, port = host.strip("[]"), int(port_text)
+    try:
+        _, host, port = split_endpoint(address)
+    except EtcdV3Error as exc:
+        raise ValueError(str(exc)) from None
     ipaddress.ip_address(host)  # ValueError unless numeric: a host name would mean a blocking DNS lookup
-    if not 0 < port < 65536:
-        raise ValueError(f"bad port {port}")
     return host, port
 
 

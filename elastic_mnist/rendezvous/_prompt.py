@@ -20,7 +20,6 @@ The protocol (who may write what, the fencing token) is torch's, unchanged.
 from __future__ import annotations
 
 import pickle
-import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
@@ -127,17 +126,13 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
             self._state.last_heartbeats[self._node] = datetime.now(timezone.utc)
 
 
-def make_prompt(handler: DynamicRendezvousHandler, backend, wait_for_change: Callable[[float], bool]) -> None:
-    """Swap in the uncached state holder and the prompt executor, before the handler's first use."""
+def make_prompt(handler: DynamicRendezvousHandler, backend) -> None:
+    """Swap in the uncached state holder and the prompt executor (waiting on `backend.wait_for_change`),
+    before the handler's first use."""
     handler._state_holder = _BackendRendezvousStateHolder(backend, handler._settings, cache_duration=0)  # noqa: SLF001
-    handler._op_executor = PromptOpExecutor(handler, wait_for_change)  # noqa: SLF001
+    handler._op_executor = PromptOpExecutor(handler, backend.wait_for_change)  # noqa: SLF001
     # torch waits a random 0-0.3 s before a node's first join while the state it holds says round 0, to
     # spread a cold start's first writes. Read once now, a node joining a running job knows its round and
     # joins at once; on a cold start the state is still round 0 and the spread stays.
     handler._state_holder.sync()  # noqa: SLF001
 
-
-def sleep_instead(seconds: float) -> bool:
-    """The wait when there is no state revision to watch from yet."""
-    time.sleep(seconds)
-    return False

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -68,7 +68,7 @@ from elastic_mnist.rendezvous._client import (
 from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
-from elastic_mnist.rendezvous._prompt import RoundView, make_prompt, sleep_instead
+from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._secrets import credentials, secret
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.store import EtcdV3Store
@@ -181,7 +181,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: EtcdV3Client, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
                  lease: LeaseKeeper | None = None, secret: bytes | None = None,
-                 view: Callable[[bytes], bytes] | None = None) -> None:
+                 view: RoundView | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._client = client
@@ -190,7 +190,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._secret = secret
         self.key = run_key(key_prefix, run_id, "state")
         self.revision = 0
-        self.liveness: PeerLiveness | None = None  # set by create_backend when peer_probe is on
 
     def _checked(self, stored: bytes, revision: int) -> bytes:
         try:
@@ -202,14 +201,20 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self.revision = max(self.revision, revision)
         return state_bits if self._view is None else self._view(state_bits)
 
+    @property
+    def liveness(self) -> PeerLiveness | None:
+        """The beacon probe of this agent (None with peer_probe=0)."""
+        return None if self._view is None else self._view.liveness
+
     def wait_for_change(self, seconds: float) -> bool:
         """Block until the state key is written after the last revision we read, or `seconds` pass."""
-        if not self.revision:
-            return sleep_instead(seconds)
-        try:
-            return self._client.wait_for_change(self.key, self.revision, seconds)
-        except EtcdV3Error:  # cannot even connect: torch's next look at the state reports it properly
-            return sleep_instead(seconds)
+        if self.revision:
+            try:
+                return self._client.wait_for_change(self.key, self.revision, seconds)
+            except EtcdV3Error:  # cannot even connect: torch's next look at the state reports it properly
+                pass
+        time.sleep(seconds)  # nothing to watch from yet, or no connection: torch's own pause
+        return False
 
     @property
     def name(self) -> str:
@@ -266,7 +271,6 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
         if settings.peer_probe else None
     backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret,
                                       RoundView(window, liveness))
-    backend.liveness = liveness
     store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease)
     try:
         backend.get_state()  # reachability, TLS, credentials and read permission in one round trip
@@ -292,7 +296,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # that chose our backend, and a value set by the user still wins.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     handler = create_handler(store, backend, params)
-    make_prompt(handler, backend, backend.wait_for_change)
+    make_prompt(handler, backend)
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(handler._this_node))  # noqa: SLF001 - the node name torch's state uses
