@@ -50,7 +50,7 @@ def _settings(args, work: Path) -> settings.Settings:
     if args.quick:
         data = args.data_dir
         if not data:  # learnable stand-in in MNIST's IDX layout; both loaders read it
-            from elastic_mnist.data import write_synthetic_mnist
+            from elastic_mnist.data.mnist import write_synthetic_mnist
 
             data = str(write_synthetic_mnist(work / "data", 2000, 500))
         return settings.quick(os.path.abspath(data))

@@ -16,9 +16,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from elastic_mnist.data import BatchPlan, load_split
+from elastic_mnist.data.mnist import BatchPlan, load_split
 from elastic_mnist.metrics import Throughput
-from elastic_mnist.model import build_model
+from elastic_mnist.worker.model import build_model
 
 
 def loop_parser(description: str) -> argparse.ArgumentParser:

@@ -29,13 +29,14 @@ import torch
 
 from bench import machine
 from bench.runner import REPO, Runner, log, python_m
-from elastic_mnist import checkpoint, procs
+from elastic_mnist import procs
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import format as checkpoint
 
 STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
 
 
-def _train(work: Path, name: str, check: "Check", nproc: int, steps: int, env: dict | None = None) -> dict:
+def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dict | None = None) -> dict:
     """One torchrun run with a fixed checkpoint dir (so a second call resumes); its log and summary."""
     args = [f"--data-dir={check.data_dir}", f"--checkpoint-dir={work / 'ckpt'}", f"--log-dir={work / 'runs'}",
             f"--sample-log={work / 'samples'}", f"--max-steps={steps}", "--epochs=1000", f"--backend={check.backend}", "--log-every=100",
@@ -56,7 +57,7 @@ def _train(work: Path, name: str, check: "Check", nproc: int, steps: int, env: d
     return {"rc": rc, "wall_s": round(time.time() - t0, 2), "summary": summary, "log": text}
 
 
-def check_train_and_resume(work: Path, check: "Check") -> dict:
+def check_train_and_resume(work: Path, check: Check) -> dict:
     first = _train(work, "resume-a", check, 1, RESUME_AT)
     second = _train(work, "resume-b", check, 1, STEPS)
     resumed = re.search(r"\[resume\] step (\d+)", second["log"])
@@ -67,14 +68,14 @@ def check_train_and_resume(work: Path, check: "Check") -> dict:
             "test_accuracy": second["summary"].get("test_accuracy"), "exit_codes": [first["rc"], second["rc"]]}
 
 
-def check_throughput(work: Path, check: "Check") -> dict:
+def check_throughput(work: Path, check: Check) -> dict:
     ours = _train(work, "throughput", check, 1, STEPS)["summary"].get("samples_per_s")
     bare = check.runner.json_line(python_m("bench.bare_loop") + ["--data-dir", check.data_dir, "--steps", str(STEPS),
                                                                   "--device", check.device], "bare")["samples_per_s"]
     return {"ours_samples_per_s": ours, "bare_samples_per_s": bare, "ours_vs_bare": round(ours / bare, 3) if ours else None}
 
 
-def check_peer_loss(work: Path, check: "Check") -> dict:
+def check_peer_loss(work: Path, check: Check) -> dict:
     if check.gpus < 2 and not check.dry_run:
         return {"skipped": f"needs 2 GPUs, this machine has {check.gpus}"}
     run = _train(work, "peer-loss", check, 2, STEPS // 2,

@@ -22,7 +22,7 @@ BLOCK_KEYS = ("checkpoint_block_ms_p50", "checkpoint_block_ms_p95", "checkpoint_
 
 def steps_per_epoch(s: Settings) -> int:
     """From the label file's header: what decides which saves are epoch-end saves."""
-    from elastic_mnist.data import RAW_FILES, read_idx
+    from elastic_mnist.data.mnist import RAW_FILES, read_idx
 
     return len(read_idx(Path(s.data_dir) / "MNIST" / "raw" / RAW_FILES[(True, "labels")])) // s.global_batch_size
 

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 from bench.elastic import BREAKDOWN
-from bench.machine import one_line
 from bench.fmt import num, pct, sec, times
+from bench.machine import one_line
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 

@@ -21,10 +21,10 @@ import sys
 import tempfile
 import time
 
-from elastic_mnist.checkpoint import CheckpointWriter, encode, path_for, write_durable
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data import load_split
-from elastic_mnist.trainer import Trainer, in_process_trainer
+from elastic_mnist.data.mnist import load_split
+from elastic_mnist.state.format import CheckpointWriter, encode, path_for, write_durable
+from elastic_mnist.worker.trainer import Trainer, in_process_trainer
 
 
 def _trainer(data_dir: str, work: str) -> Trainer:

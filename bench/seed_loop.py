@@ -21,7 +21,7 @@ from torchvision import datasets, transforms
 
 from bench.bare_loop import loop_parser
 from elastic_mnist.metrics import Throughput
-from elastic_mnist.model import build_model
+from elastic_mnist.worker.model import build_model
 
 
 def batches(loader: DataLoader, sampler: DistributedSampler):

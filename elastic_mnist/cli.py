@@ -16,12 +16,12 @@ from elastic_mnist.errors import UserError
 # Imported lazily: `status` and `etcd` must not pay for importing torch.
 SUBCOMMANDS = {
     "train": ("elastic_mnist.train", "run one elastic DDP worker (under torchrun) or a single process"),
-    "etcd": ("elastic_mnist.etcd_cli", "run the embedded etcd for rendezvous"),
-    "etcd-auth": ("elastic_mnist.etcd_auth", "set up least-privilege authentication on an etcd (idempotent)"),
-    "local": ("elastic_mnist.launcher", "embedded etcd + N torchrun nodes on this machine, with fault injection"),
-    "status": ("elastic_mnist.status", "rendezvous round, members and latest checkpoint of a job"),
-    "preflight": ("elastic_mnist.preflight", "check data, checkpoint storage, etcd and GPU before a node starts"),
-    "pod": ("elastic_mnist.pod", "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
+    "etcd": ("elastic_mnist.etcd.cli", "run the embedded etcd for rendezvous"),
+    "etcd-auth": ("elastic_mnist.etcd.auth", "set up least-privilege authentication on an etcd (idempotent)"),
+    "local": ("elastic_mnist.local.launcher", "embedded etcd + N torchrun nodes on this machine, with fault injection"),
+    "status": ("elastic_mnist.ops.status", "rendezvous round, members and latest checkpoint of a job"),
+    "preflight": ("elastic_mnist.ops.preflight", "check data, checkpoint storage, etcd and GPU before a node starts"),
+    "pod": ("elastic_mnist.ops.pod", "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
     "bench": ("bench.__main__", "the benchmark suite"),
 }
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from elastic_mnist.errors import UserError
 
+
 @dataclass(frozen=True)
 class DistEnv:
     """Where this process sits in the job, as torchrun described it (or a lone process)."""

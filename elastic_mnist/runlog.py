@@ -36,7 +36,7 @@ class RunLog:
         self._samples = _open_append(sample_dir, name) if sample_dir else None
         self._events = _open_append(events_dir(log_dir), name) if log_dir else None
 
-    def step(self, step: int, epoch: int, indices: "torch.Tensor") -> None:
+    def step(self, step: int, epoch: int, indices: torch.Tensor) -> None:
         """The dataset indices this rank used for one optimizer step."""
         if self._samples is not None:
             self._write(self._samples, {"step": step, "epoch": epoch, "indices": indices.tolist()})
@@ -55,7 +55,7 @@ class RunLog:
                 f.close()
         self._samples = self._events = None
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> RunLog:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_mnist import procs
-from elastic_mnist.data import RAW_FILES, write_synthetic_mnist
+from elastic_mnist.data.mnist import RAW_FILES, write_synthetic_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from elastic_mnist import checkpoint
-from elastic_mnist.checkpoint import CheckpointWriter, CheckpointError
 from elastic_mnist.errors import UserError
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.format import CheckpointError, CheckpointWriter
 
 
 def _state(step: int) -> dict:
@@ -91,8 +91,8 @@ def test_weights_only_load_refuses_code(tmp_path):
         def __reduce__(self):
             return (os.system, ("true",))
 
-    import io
     import hashlib
+    import io
     buf = io.BytesIO()
     torch.save({"x": Evil()}, buf)
     payload = buf.getvalue()

@@ -3,7 +3,7 @@ size and any resize point; each epoch covers every sample once (the dropped tail
 
 import torch
 
-from elastic_mnist.data import BatchPlan, load_split, shard_bounds, write_synthetic_mnist
+from elastic_mnist.data.mnist import BatchPlan, load_split, shard_bounds, write_synthetic_mnist
 
 
 def test_shard_bounds_cover_everything_in_order():
@@ -69,7 +69,7 @@ def test_generated_idx_files_load_through_torchvision(tmp_path):
 def test_direct_idx_reader_matches_torchvision(tmp_path):
     from torchvision.datasets import MNIST
 
-    from elastic_mnist.data import read_idx
+    from elastic_mnist.data.mnist import read_idx
 
     root = write_synthetic_mnist(tmp_path, n_train=200, n_test=40)
     for train, prefix in ((True, "train"), (False, "t10k")):
@@ -109,7 +109,7 @@ def _cache_files(directory):
 
 
 def _fresh_decode(root, train=True):
-    from elastic_mnist.data import RAW_FILES, normalize, read_idx
+    from elastic_mnist.data.mnist import RAW_FILES, normalize, read_idx
 
     raw = root / "MNIST" / "raw"
     images = read_idx(raw / RAW_FILES[(train, "images")])
@@ -117,7 +117,7 @@ def _fresh_decode(root, train=True):
 
 
 def test_second_load_maps_the_cache_and_gives_the_same_tensors(tmp_path, monkeypatch):
-    from elastic_mnist import data
+    from elastic_mnist.data import mnist as data
 
     root = write_synthetic_mnist(tmp_path / "data", n_train=300, n_test=50)
     cache = tmp_path / "cache"

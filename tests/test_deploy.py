@@ -8,18 +8,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import load_render
 import torch
 import torchvision
 import yaml
+from conftest import load_render
 from torch.distributed.run import get_args_parser
 
 from elastic_mnist import torchrun_settings

@@ -4,6 +4,7 @@ commands, the torchrun settings shown are the ones the code uses, and every link
 import re
 
 from conftest import REPO
+
 from elastic_mnist.config import flags_markdown
 from elastic_mnist.torchrun_settings import MAX_RESTARTS, MONITOR_INTERVAL, RDZV_CONF, rdzv_conf
 

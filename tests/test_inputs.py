@@ -3,9 +3,9 @@ processes) trains on exactly the batches of the in-memory path, to the last bit 
 
 import pytest
 import torch
-
 from conftest import run_torchrun, run_train
-from elastic_mnist.data import BatchPlan
+
+from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.runlog import read_records
 
 pytestmark = pytest.mark.slow  # real worker processes: the full suite runs them, the fast tier skips them

@@ -19,15 +19,30 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-
-from conftest import load_render
-from k8s_manifests import (JOB_UID, all_containers, argv, container, find, flag, mount_for, pod_labels, pod_spec,
-                           refs, resolve_env, selects, trainer_job, under, workloads)
 import yaml
+from conftest import load_render
+from k8s_manifests import (
+    JOB_UID,
+    all_containers,
+    argv,
+    container,
+    find,
+    flag,
+    mount_for,
+    pod_labels,
+    pod_spec,
+    refs,
+    resolve_env,
+    selects,
+    trainer_job,
+    under,
+    workloads,
+)
 from torch.distributed.run import get_args_parser
 
-from elastic_mnist import pod, preflight, torchrun_settings
+from elastic_mnist import torchrun_settings
 from elastic_mnist.config import parse_args
+from elastic_mnist.ops import pod, preflight
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -419,7 +434,7 @@ def test_trainer_pods_get_etcd_credentials_from_the_secret(variant, variants):
 def test_etcd_turns_on_least_privilege_auth_from_the_secret(variant, variants):
     """The etcd-auth sidecar: passwords from the Secret's files (never an argument), the job user limited
     to the etcd-v3 backend's prefix, and the pod Ready only once authentication is on."""
-    from elastic_mnist import etcd_auth
+    from elastic_mnist.etcd import auth as etcd_auth
 
     docs = variants[variant]
     etcd = find(docs, "StatefulSet", "etcd")

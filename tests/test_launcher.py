@@ -10,8 +10,8 @@ import pytest
 
 from elastic_mnist.config import TrainConfig, parse_args
 from elastic_mnist.errors import UserError
-from elastic_mnist.launcher import Launcher, given_fields, parse
-from elastic_mnist.nodes import Node, restart_delay
+from elastic_mnist.local.launcher import Launcher, given_fields, parse
+from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import child_env
 
 

@@ -1,4 +1,4 @@
-"""elastic_mnist.optim.Adam against torch.optim.Adam: same bits, same state_dict, no torch._dynamo import.
+"""elastic_mnist.worker.optim.Adam against torch.optim.Adam: same bits, same state_dict, no torch._dynamo import.
 
     .venv/bin/python -m pytest -q tests/test_optim.py
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic_mnist.model import build_model
-from elastic_mnist.optim import Adam
+from elastic_mnist.worker.model import build_model
+from elastic_mnist.worker.optim import Adam
 
 
 def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -95,8 +95,8 @@ def test_zero_grad_keeps_or_drops_gradients():
 _NO_DYNAMO = """
 import sys, torch
 import torch.nn.functional as F
-from elastic_mnist.model import build_model
-from elastic_mnist.optim import Adam
+from elastic_mnist.worker.model import build_model
+from elastic_mnist.worker.optim import Adam
 model = build_model(512, 0)
 opt = Adam(model.parameters(), lr=1e-3)
 F.nll_loss(model(torch.randn(8, 784)), torch.zeros(8, dtype=torch.long)).backward()

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, worker_env
 from etcd_fixtures import etcd_server_auth  # noqa: F401  (a real etcd with authentication)
-from elastic_mnist.etcd_server import free_port
-from elastic_mnist.preflight import PERMANENT, TRANSIENT, parse_launch, run_checks
+
+from elastic_mnist.etcd.server import free_port
+from elastic_mnist.ops.preflight import PERMANENT, TRANSIENT, parse_launch, run_checks
 
 
 def launch_for(endpoint: str, data: str, ckpt: Path, *extra: str, backend: str = "etcd-v3", wait: float = 5):

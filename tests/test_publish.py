@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from elastic_mnist import checkpoint, publish
 from elastic_mnist.errors import UserError
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state import publish
 
 NO_LINK_ERRNOS = [errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EIO]
 

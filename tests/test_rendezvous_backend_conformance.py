@@ -38,6 +38,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from etcd_fixtures import raw_client, rdzv_params, wait_for_state
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -55,12 +56,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic_mnist.etcd_server import EtcdServer
+from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous.etcd_v3 import EtcdV3RendezvousBackend, create_rdzv_handler
 from elastic_mnist.rendezvous.store import EtcdV3Store
 from elastic_mnist.torchrun_settings import RDZV_CONF
-from etcd_fixtures import raw_client, rdzv_params, wait_for_state
 
 RUN_ID = "conformance"
 KEEP_ALIVE = timedelta(seconds=30)  # upstream's holder settings: a node is dead after 30 s x 3
@@ -216,7 +216,7 @@ def test_sync_sanitizes_state(connect: Callable[[], EtcdV3RendezvousBackend]) ->
     dead = [_NodeDesc(f"dead{i}", 1, 1) for i in range(1, 6)]
     for i, node in enumerate(dead):
         state.last_heartbeats[node] = now - timedelta(seconds=100 + 10 * i)  # past 30 s x 3
-    state.participants.update({node: 0 for node in dead[:3]})
+    state.participants.update(dict.fromkeys(dead[:3], 0))
     state.wait_list.update(dead[3:])
     set_state(other, pickle.dumps(state))
     h.sync()

@@ -19,16 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.distributed import DistStoreError, PrefixStore
-from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-import elastic_mnist.rendezvous as rdzv
-from elastic_mnist.etcd_server import EtcdServer, free_port
-from elastic_mnist.rendezvous import EtcdV3ConfigError, create_backend, read_rendezvous_status
-from elastic_mnist.rendezvous.status import decode_state
 from etcd_fixtures import (  # noqa: F401  (etcd_server* are pytest fixtures)
     etcd_server,
     etcd_server_v3only,
@@ -38,6 +28,16 @@ from etcd_fixtures import (  # noqa: F401  (etcd_server* are pytest fixtures)
     wait_for_state,
     write_test_pki,
 )
+from torch.distributed import DistStoreError, PrefixStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+import elastic_mnist.rendezvous as rdzv
+from elastic_mnist.etcd.server import EtcdServer, free_port
+from elastic_mnist.rendezvous import EtcdV3ConfigError, create_backend, read_rendezvous_status
+from elastic_mnist.rendezvous.status import decode_state
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd_fixtures import raw_client, rdzv_params, wait_for_state
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist import procs
-from elastic_mnist.etcd_server import EtcdServer, free_port
+from elastic_mnist.etcd.server import EtcdServer, free_port
 from elastic_mnist.rendezvous import EtcdV3ConfigError
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness, refused
 from elastic_mnist.rendezvous._prompt import LONG_AGO, RoundView
 from elastic_mnist.rendezvous._state import seal, verified
-from etcd_fixtures import raw_client, rdzv_params, wait_for_state
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "/torchelastic/v3"  # the default key_prefix

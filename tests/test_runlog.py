@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, worker_env
+
 from elastic_mnist.runlog import JsonlTail, LineTail, RunLog, RunTail, events_dir, read_records
 
 

@@ -18,16 +18,16 @@ import grpc
 import pytest
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
+from etcd_fixtures import etcd_server_auth, rdzv_params, state_bits  # noqa: F401  (etcd_server_auth: a pytest fixture)
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist.errors import UserError
-from elastic_mnist.etcd_server import EtcdServer
+from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._state import MAGIC, StateIntegrityError, seal, unseal
-from etcd_fixtures import etcd_server_auth, rdzv_params, state_bits  # noqa: F401  (etcd_server_auth: a pytest fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 120}

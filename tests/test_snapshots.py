@@ -9,10 +9,11 @@ import subprocess
 import time
 
 import pytest
-
-from elastic_mnist import procs, snapshots
-from elastic_mnist.config import TrainConfig
 from conftest import REPO
+
+from elastic_mnist import procs
+from elastic_mnist.config import TrainConfig
+from elastic_mnist.state import snapshots
 
 
 def _run_dir(root, name: str, mb: int, age_s: float):

@@ -49,12 +49,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from etcd_fixtures import raw_client, rdzv_params
 from torch.distributed import DistStoreError
 
-from elastic_mnist.etcd_server import EtcdServer
+from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import wait_for
 from elastic_mnist.rendezvous import create_backend
-from etcd_fixtures import raw_client, rdzv_params
 
 VIEWS = ["etcd-v3-store", "prefix-store"]
 RUN_ID = "conformance"

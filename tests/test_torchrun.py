@@ -8,11 +8,12 @@ import signal
 import subprocess
 
 import pytest
-
 from conftest import REPO, run_torchrun
-from elastic_mnist import checkpoint, procs
-from elastic_mnist.data import BatchPlan
+
+from elastic_mnist import procs
+from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import format as checkpoint
 
 pytestmark = pytest.mark.slow  # real worker processes: the full suite runs them, the fast tier skips them
 

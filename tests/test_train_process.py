@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
-
 from conftest import run_train
-from elastic_mnist import checkpoint
-from elastic_mnist.data import BatchPlan
+
+from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import format as checkpoint
 
 pytestmark = pytest.mark.slow  # real worker processes: the full suite runs them, the fast tier skips them
 
@@ -116,5 +116,5 @@ def test_a_resuming_worker_imports_nothing_heavy_it_does_not_use(small_mnist, tm
     run = run_train(_args(small_mnist, tmp_path, "i", "--max-steps", "6"), PYTHONPROFILEIMPORTTIME="1")
     assert run.returncode == 0, run.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
-    assert "torch" in imported and "elastic_mnist.trainer" in imported, "the import log is read"
+    assert "torch" in imported and "elastic_mnist.worker.trainer" in imported, "the import log is read"
     assert not imported & {"torch._dynamo", "torchvision", "matplotlib"}, sorted(imported & {"torch._dynamo", "torchvision", "matplotlib"})

@@ -4,11 +4,11 @@ import signal
 
 import torch
 
-from elastic_mnist import checkpoint
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.control import StopRequest
-from elastic_mnist.data import Split
-from elastic_mnist.trainer import Trainer, in_process_trainer
+from elastic_mnist.data.mnist import Split
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.worker.control import StopRequest
+from elastic_mnist.worker.trainer import Trainer, in_process_trainer
 
 
 def _trainer(tmp_path, stop: StopRequest | None = None) -> Trainer:

@@ -158,7 +158,7 @@ class PeerLiveness:
         dead = refused(addresses)
         for name in dead:
             self._answered.pop(name, None)
-        self._answered.update({n: now for n in addresses.keys() - dead})
+        self._answered.update(dict.fromkeys(addresses.keys() - dead, now))
         return dead
 
     def _probeable(self, key: str, value: bytes) -> str | None:

@@ -8,8 +8,9 @@ import signal
 import subprocess
 from collections import Counter
 
-from elastic_mnist import checkpoint, procs, torchrun_settings
+from elastic_mnist import procs, torchrun_settings
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import format as checkpoint
 
 
 class Job:

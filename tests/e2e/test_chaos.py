@@ -10,13 +10,14 @@ import os
 import signal
 import subprocess
 import sys
-import pytest
 
+import pytest
 from conftest import REPO, worker_env
-from elastic_mnist.checkpoint import load_latest
-from elastic_mnist.data import BatchPlan
+
+from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.procs import alive, children
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state.format import load_latest
 
 pytestmark = pytest.mark.e2e
 BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set

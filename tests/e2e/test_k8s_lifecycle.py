@@ -25,15 +25,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import load_render
-from k8s_manifests import all_containers, argv, container, find, pod_spec, resolve_env, trainer_job, under
+from k8s_manifests import argv, container, find, pod_spec, resolve_env, trainer_job, under
 
 from elastic_mnist import procs
-from elastic_mnist.checkpoint import list_checkpoints
-from elastic_mnist.etcd_server import EtcdServer, free_port
-from elastic_mnist.preflight import PERMANENT
+from elastic_mnist.etcd.server import EtcdServer, free_port
+from elastic_mnist.ops.preflight import PERMANENT
 from elastic_mnist.rendezvous.status import read_rendezvous_status
+from elastic_mnist.state.format import list_checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

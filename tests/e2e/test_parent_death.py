@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from elastic_mnist import procs
 from e2e.job import Job
+from elastic_mnist import procs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

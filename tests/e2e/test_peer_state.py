@@ -3,12 +3,10 @@ in-memory snapshots; all through `elastic-mnist local` with real etcd, torchrun 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from elastic_mnist import checkpoint
 from e2e.test_chaos import assert_replays_plan, run_local
+from elastic_mnist.state import format as checkpoint
 
 pytestmark = pytest.mark.e2e
 LOCAL = ("--checkpoint-storage", "local")
@@ -53,8 +51,8 @@ def test_all_nodes_die_then_the_job_resumes_from_what_any_disk_kept(small_mnist,
 
 
 def test_a_stale_snapshot_from_an_earlier_run_is_ignored(tmp_path):
-    from elastic_mnist.state_sync import best_local
-    from elastic_mnist.checkpoint import CheckpointWriter
+    from elastic_mnist.state.format import CheckpointWriter
+    from elastic_mnist.state.sync import best_local
 
     ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
     CheckpointWriter(str(ckpt), 3).save({"step": 10, "origin": {}}, 10, block=True)

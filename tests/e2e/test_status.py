@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, worker_env
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +53,7 @@ def test_status_of_an_unknown_job_and_an_unreachable_etcd(etcd_server_v3only, tm
                                                     "rdzv_backend": "etcd-v3"}))
     run = _status(tmp_path)
     assert run.returncode == 0 and "no rendezvous state" in run.stdout and "latest checkpoint: none" in run.stdout
-    from elastic_mnist.etcd_server import free_port
+    from elastic_mnist.etcd.server import free_port
 
     (tmp_path / "etcd.json").write_text(json.dumps({"endpoint": f"127.0.0.1:{free_port()}", "rdzv_id": "x",
                                                     "rdzv_backend": "etcd-v3"}))

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_mnist.data import MNIST_MEAN, MNIST_STD
+from elastic_mnist.data.mnist import MNIST_MEAN, MNIST_STD
+from elastic_mnist.data.sampler import ElasticDistributedSampler
 from elastic_mnist.errors import UserError
-from elastic_mnist.sampler import ElasticDistributedSampler
 
 
 def mnist_dataset(root: str, train: bool, download: bool = False) -> Dataset:

@@ -1,6 +1,6 @@
 """A decoded, normalized MNIST split as one memory-mapped file, so a restarted worker skips the decode.
 
-    python -c "from elastic_mnist.data import load_split; print(load_split('/data', True).images.shape)"
+    python -c "from elastic_mnist.data.mnist import load_split; print(load_split('/data', True).images.shape)"
 
 Every worker start used to decode the IDX files and normalize 47 M pixels (0.3-1 s on a busy CPU),
 paid again on every membership change. The first start writes `mnist-{split}-{key}.bin`: a 4 KiB JSON
@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+
 import numpy as np
 import torch
 

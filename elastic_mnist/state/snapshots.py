@@ -1,6 +1,6 @@
 """In-memory snapshots: where each rank keeps them, and their lifetime.
 
-    python -c "from elastic_mnist.snapshots import sweep; print(sweep('/dev/shm/elastic-mnist', keep_run=''))"
+    python -c "from elastic_mnist.state.snapshots import sweep; print(sweep('/dev/shm/elastic-mnist', keep_run=''))"
 
 Layout: `{snapshot_dir}/{run id}/local{local rank}/ckpt-*.pt` on tmpfs (RAM that outlives the worker, not
 the machine). Owners: a job that finishes removes its own run's directory; at every start a rank removes

@@ -20,16 +20,16 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic_mnist import distributed
-from elastic_mnist.checkpoints import CheckpointManager
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.control import ControlPlane
-from elastic_mnist.data import BatchPlan
+from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.fault_points import FaultPoints
 from elastic_mnist.metrics import Metrics, Throughput, process_age_s
-from elastic_mnist.parallel import DataParallel
 from elastic_mnist.runlog import RunLog
-from elastic_mnist.task import Task
+from elastic_mnist.state.manager import CheckpointManager
+from elastic_mnist.worker.control import ControlPlane
+from elastic_mnist.worker.fault_points import FaultPoints
+from elastic_mnist.worker.parallel import DataParallel
+from elastic_mnist.worker.task import Task
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: "try again", which is what torchrun does with a failed worker
 
@@ -262,9 +262,9 @@ def in_process_trainer(config: TrainConfig, train, test, env: DistEnv = DistEnv(
                        stop=None) -> Trainer:
     """A Trainer over given data in this process (tests, benchmarks): the MNIST MLP task, its checkpoint
     manager (writing only if `writes`), restored from config.checkpoint_dir when that holds a state."""
-    from elastic_mnist.control import ControlPlane
-    from elastic_mnist.inputs import build_inputs
-    from elastic_mnist.task import MnistMLP
+    from elastic_mnist.data.inputs import build_inputs
+    from elastic_mnist.worker.control import ControlPlane
+    from elastic_mnist.worker.task import MnistMLP
 
     task, metrics = MnistMLP(), Metrics(env.rank, config.log_dir)
     plan = BatchPlan(len(train), config.global_batch_size, config.seed)

@@ -20,11 +20,13 @@ import signal
 import sys
 import time
 
-from elastic_mnist import chaos, config as train_config, torchrun_settings
+from elastic_mnist import config as train_config
+from elastic_mnist import torchrun_settings
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
-from elastic_mnist.live import LiveView
-from elastic_mnist.nodes import Node, restart_delay
+from elastic_mnist.local import chaos
+from elastic_mnist.local.live import LiveView
+from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
 
@@ -210,7 +212,7 @@ class Launcher:
         self.fire(pending[0])
 
     def run(self) -> int:
-        from elastic_mnist.etcd_server import EtcdServer
+        from elastic_mnist.etcd.server import EtcdServer
 
         os.makedirs(self.args.run_dir, exist_ok=True)
         self.view.event(f"run dir {self.args.run_dir}")

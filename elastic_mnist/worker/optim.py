@@ -60,7 +60,7 @@ class Adam:
 
     def __repr__(self) -> str:
         sizes = [len(g["params"]) for g in self.param_groups]
-        return f"elastic_mnist.optim.Adam(groups of {sizes} tensors, lr={self.param_groups[0]['lr']})"
+        return f"elastic_mnist.worker.optim.Adam(groups of {sizes} tensors, lr={self.param_groups[0]['lr']})"
 
     # -- the update ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -80,7 +80,7 @@ class Adam:
         if grad.is_sparse:
             raise RuntimeError("Adam does not support sparse gradients; use torch.optim.SparseAdam")
         if torch.is_complex(p):
-            raise RuntimeError("elastic_mnist.optim.Adam does not support complex parameters; use torch.optim.Adam")
+            raise RuntimeError("elastic_mnist.worker.optim.Adam does not support complex parameters; use torch.optim.Adam")
         state = self.state[p]
         if not state:
             # The step count lives on the CPU (as in torch when not capturable): reading it costs no device sync.
@@ -157,7 +157,7 @@ def _match_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any
         for key, fixed in _FIXED_OPTIONS.items():
             if key not in _IGNORED_OPTIONS and saved.get(key, fixed) not in (fixed, None, False, 0):
                 raise ValueError(f"optimizer state_dict group {n} uses Adam option {key}={saved[key]!r}, which "
-                                 f"elastic_mnist.optim.Adam does not implement: use torch.optim.Adam for it")
+                                 f"elastic_mnist.worker.optim.Adam does not implement: use torch.optim.Adam for it")
         params_of.update(zip(saved["params"], mine["params"]))
     return params_of
 

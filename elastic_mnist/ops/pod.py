@@ -27,7 +27,7 @@ import sys
 
 from elastic_mnist import procs
 from elastic_mnist.errors import UserError
-from elastic_mnist.preflight import PERMANENT, Launch, closed_line, finished_line, parse_launch
+from elastic_mnist.ops.preflight import PERMANENT, Launch, closed_line, finished_line, parse_launch
 
 
 class Forwarder:

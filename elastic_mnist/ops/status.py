@@ -56,7 +56,7 @@ def collect(args) -> dict:
     except Exception as e:  # a client library's own error: still one line naming the endpoint
         raise UserError(f"cannot read rendezvous {args.rdzv_id!r} from etcd at {args.rdzv_endpoint}: {e}") from None
     if args.checkpoint_dir:
-        from elastic_mnist.checkpoint import describe_latest
+        from elastic_mnist.state.format import describe_latest
 
         status["checkpoint"] = describe_latest(args.checkpoint_dir)
     return status

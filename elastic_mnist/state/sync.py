@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from elastic_mnist import checkpoint
 from elastic_mnist.distributed import group_device
 from elastic_mnist.errors import UserError
+from elastic_mnist.state import format as checkpoint
 
 
 @dataclass

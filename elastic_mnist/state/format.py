@@ -1,11 +1,11 @@
 """Checkpoints: durable, verified, never overwritten, written in the background.
 
-    python -c "from elastic_mnist.checkpoint import describe_latest; print(describe_latest('checkpoints'))"
+    python -c "from elastic_mnist.state.format import describe_latest; print(describe_latest('checkpoints'))"
 
 File `ckpt-{step:09d}.pt` = 8-byte magic, u32 format version, sha256 of the payload, then the payload
 (torch.save of a dict of tensors and plain values, loaded with weights_only=True). Written to a temp
 file, fsynced, then published under its name without replacing an existing one (a hard link, or
-elastic_mnist.publish's fallback on filesystems without them): a name, once it exists, always holds a
+elastic_mnist.state.publish's fallback on filesystems without them): a name, once it exists, always holds a
 complete, verified file, and a late writer (a node that woke from a freeze) can never replace it.
 """
 
@@ -21,12 +21,12 @@ import re
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from elastic_mnist import publish
 from elastic_mnist.errors import UserError
+from elastic_mnist.state import publish
 
 MAGIC = b"EMNISTCK"
 FORMAT_VERSION = 1
@@ -83,7 +83,7 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
 
     The data is complete and fsynced under a temporary name before the final name appears, so a
     reader never sees a half-written file under it. Without replace, the publish step is the
-    directory's no-clobber method (elastic_mnist.publish): a late writer never replaces a file
+    directory's no-clobber method (elastic_mnist.state.publish): a late writer never replaces a file
     another writer completed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)

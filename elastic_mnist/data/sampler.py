@@ -1,6 +1,6 @@
 """A DistributedSampler whose order is the same global batches at every world size (docs/sampler.md).
 
-    python -c "from elastic_mnist.sampler import ElasticDistributedSampler as S; \
+    python -c "from elastic_mnist.data.sampler import ElasticDistributedSampler as S; \
                print(list(S(range(10), num_replicas=3, rank=1, global_batch_size=4)))"
 
 ElasticDistributedSampler is torch's DistributedSampler (same constructor) driven by `data.BatchPlan`:
@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from elastic_mnist.data import BatchPlan
+from elastic_mnist.data.mnist import BatchPlan
 
 
 class InOrderPlan(BatchPlan):

@@ -1,7 +1,7 @@
 """The seed's MLP: 784-512-ReLU-10 with log-softmax (trained with NLL), flattening its input so it takes
 in-memory rows [N, 784] and torchvision's images [N, 1, 28, 28] alike.
 
-    python -c "from elastic_mnist.model import build_model; print(build_model(512))"
+    python -c "from elastic_mnist.worker.model import build_model; print(build_model(512))"
 """
 
 from __future__ import annotations

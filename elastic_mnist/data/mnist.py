@@ -1,6 +1,6 @@
 """MNIST as normalized tensors, and the world-size-invariant batch plan.
 
-    python -c "from elastic_mnist.data import BatchPlan; print(BatchPlan(60000, 128, 0).rank_indices(5, 3, 1))"
+    python -c "from elastic_mnist.data.mnist import BatchPlan; print(BatchPlan(60000, 128, 0).rank_indices(5, 3, 1))"
 
 The plan is a function of (seed, epoch, step, global batch) only: epoch e is one permutation seeded by
 (seed, e); global step s of that epoch takes positions [s*B, (s+1)*B); the world size only decides how
@@ -12,14 +12,13 @@ size alike; each epoch's permutation differs, so no sample is dropped every epoc
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from elastic_mnist import mnist_cache
+from elastic_mnist.data import cache as mnist_cache
 from elastic_mnist.errors import UserError
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -41,7 +40,7 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def to(self, device: torch.device) -> "Split":
+    def to(self, device: torch.device) -> Split:
         return Split(self.images.to(device), self.labels.to(device))
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from elastic_mnist import checkpoint, snapshots, state_sync
-from elastic_mnist.checkpoint import CheckpointWriter
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics, percentile
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state import snapshots
+from elastic_mnist.state import sync as state_sync
+from elastic_mnist.state.format import CheckpointWriter
+
 
 @dataclass
 class Progress:

@@ -20,13 +20,12 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from elastic_mnist.distributed import group_device
-
 
 EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
 

@@ -10,11 +10,11 @@ Two sources, one contract (the same indices per step as `BatchPlan.rank_indices`
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
-from elastic_mnist.data import BatchPlan, Split, shard_bounds
+from elastic_mnist.data.mnist import BatchPlan, Split, shard_bounds
 
 EVAL_BATCH = 1024
 
@@ -41,8 +41,8 @@ class LoaderInputs:
 
     def __init__(self, train, test, plan: BatchPlan, world_size: int, rank: int, device: torch.device,
                  num_workers: int = 0):
-        from elastic_mnist.loader import build_loader
-        from elastic_mnist.sampler import ElasticDistributedSampler
+        from elastic_mnist.data.loader import build_loader
+        from elastic_mnist.data.sampler import ElasticDistributedSampler
 
         self.test, self.plan, self.world_size, self.rank, self.device = test, plan, world_size, rank, device
         self.sampler = ElasticDistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True,

@@ -1,7 +1,7 @@
 """Publishing a finished file under its final name without replacing one another writer completed,
-on any filesystem a checkpoint directory may live on (used by elastic_mnist.checkpoint.write_durable).
+on any filesystem a checkpoint directory may live on (used by elastic_mnist.state.format.write_durable).
 
-    python -c "from elastic_mnist.publish import method_of; print(method_of('checkpoints'))"
+    python -c "from elastic_mnist.state.publish import method_of; print(method_of('checkpoints'))"
 
 Each directory is probed once and gets the strongest method it supports:
   link       os.link (any POSIX disk, NFS): atomic, never clobbers.

@@ -19,7 +19,7 @@ import sys
 import threading
 
 from elastic_mnist.errors import UserError
-from elastic_mnist.etcd_server import BINARY_ENV, EtcdServer, private_token_file
+from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, private_token_file
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -1,0 +1,131 @@
+"""The worker entry point: parse config, join the group, resume, train, close.
+
+    torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=etcd-v3 --rdzv-endpoint=HOST:2379 --rdzv-id=JOB \\
+        -m elastic_mnist.train --data-dir DATA --checkpoint-dir CKPT --log-dir RUNS
+    python -m elastic_mnist.train --data-dir ../shared/data --epochs 1      # one process, no torchrun
+
+Every start is a resume: torchrun re-runs this on every membership change, and each step below is
+safe to repeat. Exit codes: 0 done (or stopped on our own SIGTERM), 2 bad input, 75 the group stopped
+for a membership change (torchrun restarts us into the next rendezvous round).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from typing import NoReturn
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from elastic_mnist import distributed, procs
+from elastic_mnist.config import parse_args
+from elastic_mnist.data.inputs import build_inputs
+from elastic_mnist.data.mnist import BatchPlan, dataset_fingerprint
+from elastic_mnist.errors import UserError
+from elastic_mnist.metrics import Metrics, process_age_s
+from elastic_mnist.runlog import RunLog
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.manager import CheckpointManager, cpu_snapshot
+from elastic_mnist.worker.control import ControlPlane, StopRequest
+from elastic_mnist.worker.task import MnistMLP, Task
+from elastic_mnist.worker.trainer import EXIT_RESTART, Learner, Reporting, Trainer
+
+
+def _build(config, env, device, stack: ExitStack, task: Task, control: ControlPlane, marks: dict) -> Trainer:
+    """Data, model, optimizer and the checkpoint manager, restored from the newest state there is."""
+    metrics = Metrics(env.rank, config.log_dir)
+    stack.callback(metrics.close)
+    train, test = task.datasets(config)
+    marks["data"] = time.time()
+    plan = BatchPlan(len(train), config.global_batch_size, config.seed)
+    model = task.build_model(config).to(device)
+    learner = Learner(task, model, task.build_optimizer(model, config))
+    fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
+    manager = CheckpointManager(config, env, metrics, fingerprint)
+    stack.callback(manager.close)
+    progress = manager.restore(model, learner.optimizer, plan.steps_per_epoch)
+    marks["resumed"] = time.time()
+    metrics.open_tensorboard(progress.step)
+    runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
+                                        env.restart_count))
+    inputs = build_inputs(train, test, plan, env.world_size, env.rank, device, config.num_workers)
+    return Trainer(config, env, learner, inputs, plan, manager, Reporting(metrics, runlog, marks), control)
+
+
+def _train(trainer: Trainer, config, env) -> int:
+    """Train to the end; the exit code tells torchrun whether to restart us."""
+    try:
+        summary = trainer.train()
+    except Exception as e:
+        where = trainer.handle_failure(e) if env.world_size > 1 else None
+        if where is None:
+            raise
+        trainer.metrics.warn(f"collective failed at step {trainer.progress.step} (a peer died or froze): "
+                             f"{str(e).splitlines()[0][:200]}; state saved ({where}); exiting for torchrun to restart")
+        return EXIT_RESTART
+    if trainer.stopped_early:
+        return 0 if trainer.stop.requested else EXIT_RESTART
+    _write_final(config, env, trainer, summary)
+    return 0
+
+
+def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
+    with ExitStack() as stack:
+        device = distributed.init(env, config.backend, config.collective_timeout)
+        stack.callback(distributed.close)
+        marks["process_group"] = time.time()
+        config.check_world_size(env.world_size)
+        control = ControlPlane(env.world_size, config, stop)
+        stack.callback(control.leave)
+        return _train(_build(config, env, device, stack, task, control, marks), config, env)
+
+
+def _write_final(config, env, trainer: Trainer, summary: dict) -> None:
+    trainer.checkpoints.mark_finished(summary)
+    if env.rank != 0:
+        return
+    buf = io.BytesIO()
+    torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
+    checkpoint.write_durable(os.path.join(config.log_dir, "model.pt"), buf.getvalue(), replace=True)
+    trainer.metrics.write_summary(summary)
+    trainer.metrics.print0(f"[done] step {summary['global_step']} test_accuracy {summary['test_accuracy']:.4f} "
+                           f"samples/s {summary['samples_per_s']:.0f}; summary in {config.log_dir}/summary.json")
+
+
+@record
+def main(argv: list[str] | None = None, task: Task | None = None) -> int:
+    """The worker; `task` is what is trained (default: the MNIST MLP). Your own model: examples/."""
+    marks = {"process_start": time.time() - process_age_s(), "imports": time.time()}
+    env = distributed.read_env()
+    stop = StopRequest()
+    stop.install()  # before the slow start-up: a preemption during it is still a graceful stop
+    if env.launched:
+        # If our torchrun agent dies, stop at the next step boundary with the group and save (SIGHUP),
+        # rather than die with the steps since the last snapshot (SIGKILL).
+        procs.set_parent_death_signal(signal.SIGHUP)
+    try:
+        config = parse_args(argv)
+        stop.orphan_grace_s = config.collective_timeout + 30  # the agreement, then one blocking save
+        return run(config, env, stop, task or MnistMLP(), marks)
+    except UserError as e:
+        print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def launch(task: Task | None = None) -> NoReturn:
+    """Run the worker, then end the process at once. Every writer is closed and flushed by then, and the
+    interpreter's own teardown (collecting torch's module graph) costs ~2 s on the path of every
+    membership change, where torchrun waits for this process to go."""
+    code = main(task=task)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    launch()
