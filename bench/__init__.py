@@ -1,1 +1,1 @@
-"""The benchmark suite: `python -m bench` (or `elastic-mnist bench`)."""
+"""The benchmark suite: `python -m bench` from a checkout (it is not installed with the package)."""

@@ -2,7 +2,6 @@
 
     python -m bench --data-dir ../shared/data --update-docs        # full: 15-25 min on 2 cores
     python -m bench --quick --out /tmp/bench                        # ~2 min, small generated data set
-    elastic-mnist bench --quick --out /tmp/bench                    # the same through the CLI
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
 OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
@@ -33,7 +32,7 @@ DOCS = REPO / "docs" / "benchmarks.md"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-mnist bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", default=os.environ.get("ELASTIC_MNIST_DATA_DIR", ""),
                    help="MNIST root (MNIST/raw/*-ubyte); --quick generates a small set when omitted")
     p.add_argument("--quick", action="store_true", help="a few dozen steps, 1 repeat, kill only, no time to accuracy")

@@ -22,7 +22,6 @@ SUBCOMMANDS = {
     "status": ("elastic_mnist.ops.status", "rendezvous round, members and latest checkpoint of a job"),
     "preflight": ("elastic_mnist.ops.preflight", "check data, checkpoint storage, etcd and GPU before a node starts"),
     "pod": ("elastic_mnist.ops.pod", "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
-    "bench": ("bench.__main__", "the benchmark suite"),
 }
 
 

@@ -4,6 +4,7 @@ a small generated data set for fast tests, and helpers to run real worker proces
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,15 @@ from elastic_mnist import procs
 from elastic_mnist.data.mnist import RAW_FILES, write_synthetic_mnist
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def tool(name: str) -> str:
+    """A lint or manifest tool of the `tools` dependency group. They live in an environment of their own
+    (their dependencies would change the runtime's), found on PATH: see the README's test command."""
+    found = shutil.which(name)
+    assert found, (f"{name} not found on PATH: python -m venv .venv-tools && .venv-tools/bin/pip install "
+                   f"--group tools && export PATH=$PATH:$PWD/.venv-tools/bin")
+    return found
 
 
 def has_mnist(root: str | os.PathLike) -> bool:

