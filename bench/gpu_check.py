@@ -31,7 +31,7 @@ from bench import machine
 from bench.runner import REPO, Runner, log, python_m
 from elastic_mnist import procs
 from elastic_mnist.runlog import read_records
-from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state import fence
 
 STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
 
@@ -88,7 +88,7 @@ def check_peer_loss(work: Path, check: Check) -> dict:
     return {"ok": run["rc"] == 0 and fault is not None and bool(lost),
             "detection_s": round(lost[0]["time"] - float(fault.group(1)), 3) if fault and lost else None,
             "saved_by": paths, "steps_redone": sum(n - 1 for n in counts.values()),
-            "completed": checkpoint.read_finished(str(work / "ckpt")) is not None, "exit_code": run["rc"]}
+            "completed": fence.read_finished(str(work / "ckpt")) is not None, "exit_code": run["rc"]}
 
 
 @dataclass

@@ -20,16 +20,21 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data.mnist import load_split
+from elastic_mnist.distributed import DistEnv
 from elastic_mnist.state.format import CheckpointWriter, encode, path_for, write_durable
-from elastic_mnist.worker.trainer import Trainer, in_process_trainer
+from elastic_mnist.worker.control import ControlPlane
+from elastic_mnist.worker.task import MnistMLP
+from elastic_mnist.worker.train import build_trainer
+from elastic_mnist.worker.trainer import Trainer
 
 
-def _trainer(data_dir: str, work: str) -> Trainer:
+def _trainer(data_dir: str, work: str, stack: ExitStack) -> Trainer:
+    """The worker's own trainer (one process); its saves are what is measured, so it writes into `work`."""
     config = TrainConfig(data_dir=data_dir, checkpoint_dir=work, log_dir=work)
-    return in_process_trainer(config, load_split(data_dir, True), load_split(data_dir, False), writes=False)
+    return build_trainer(config, DistEnv(), MnistMLP(), ControlPlane(1, config), stack)
 
 
 def _step(trainer: Trainer) -> float:
@@ -54,7 +59,8 @@ def _timed(fn, n: int) -> tuple[float, float]:
 def measure(data_dir: str, saves: int, interval: int, where: str | None = None) -> dict:
     work = tempfile.mkdtemp(prefix="save-cost-", dir=where)
     try:
-        return _measure(_trainer(data_dir, work), work, saves, interval)
+        with ExitStack() as stack:
+            return _measure(_trainer(data_dir, work, stack), work, saves, interval)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.procs import NODE_ENV
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,14 @@ class DistEnv:
     run_id: str = "local"
     launched: bool = False
     """True under torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
+    node: str = ""
+    """The node's name as its launcher gave it ($ELASTIC_MNIST_NODE), else the host name."""
 
 
 def read_env(environ: dict | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        return DistEnv()
+        return DistEnv(node=env.get(NODE_ENV) or socket.gethostname())
     return DistEnv(
         rank=int(env["RANK"]),
         world_size=int(env["WORLD_SIZE"]),
@@ -47,6 +51,7 @@ def read_env(environ: dict | None = None) -> DistEnv:
         max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)),
         run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
         launched=True,
+        node=env.get(NODE_ENV) or socket.gethostname(),
     )
 
 

@@ -1,4 +1,5 @@
-"""Rank-0 output: progress lines, TensorBoard scalars, summary.json. Other ranks print only warnings.
+"""Rank-aware output: every event is a structured record in the run's journal (every rank) and a line on
+stdout (rank 0); warnings from any rank; TensorBoard scalars and summary.json from rank 0.
 
     tensorboard --logdir runs      # reads what Metrics writes
 """
@@ -11,12 +12,16 @@ import sys
 import time
 
 from elastic_mnist import procs
+from elastic_mnist.runlog import RunLog
 
 
 class Metrics:
-    def __init__(self, rank: int, log_dir: str):
+    def __init__(self, rank: int, log_dir: str, journal: RunLog | None = None):
         self.rank = rank
         self.log_dir = log_dir
+        self.journal = journal
+        """Where events go as records; readers (the local launcher's view and report) use these fields,
+        never the printed text."""
         self._writer = None
         self._tb_enabled = False
         self._resume_step = 0
@@ -35,11 +40,17 @@ class Metrics:
             self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=self._resume_step or None)
         return self._writer
 
-    def print0(self, msg: str) -> None:
-        if self.rank == 0:
-            print(msg, flush=True)
+    def event(self, kind: str, message: str = "", **fields) -> None:
+        """One journal record of `kind` with its fields (and the human line, as `message`); rank 0 also
+        prints the line."""
+        if self.journal is not None:
+            self.journal.event(kind, **({"message": message} if message else {}), **fields)
+        if message and self.rank == 0:
+            print(message, flush=True)
 
     def warn(self, msg: str) -> None:
+        if self.journal is not None:
+            self.journal.event("warning", message=msg)
         print(f"[rank {self.rank}] {msg}", file=sys.stderr, flush=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

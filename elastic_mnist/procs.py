@@ -115,6 +115,11 @@ def torchrun_command(torchrun_args: list[str], module_args: list[str], module: s
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *program, *module_args]
 
 
+# The name a launcher gives the node a worker runs on (elastic-mnist local: n0, n1, ...); workers stamp
+# their journal records with it (default: the host name), so a reader knows where each record came from.
+NODE_ENV = "ELASTIC_MNIST_NODE"
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child that runs our code: no inherited rank variables (a test run under
     torchrun must not leak its own), this venv first on PATH, unbuffered output, and one intra-op

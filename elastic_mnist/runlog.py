@@ -30,8 +30,9 @@ def events_dir(log_dir: str) -> str:
 class RunLog:
     """This worker process's sample records (when sample_dir is set) and events (when log_dir is set)."""
 
-    def __init__(self, log_dir: str, sample_dir: str, rank: int, world_size: int, restart: int):
-        self._fixed = {"rank": rank, "world_size": world_size, "restart": restart, "pid": os.getpid()}
+    def __init__(self, log_dir: str, sample_dir: str, rank: int, world_size: int, restart: int, node: str = ""):
+        self._fixed = {"rank": rank, "world_size": world_size, "restart": restart, "pid": os.getpid(),
+                       **({"node": node} if node else {})}
         name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
         self._samples = _open_append(sample_dir, name) if sample_dir else None
         self._events = _open_append(events_dir(log_dir), name) if log_dir else None
@@ -129,6 +130,8 @@ class RunTail:
         self.processes: dict[int, list[dict]] = {}
         """pid -> that worker process's sample records, in order."""
         self.journal: list[dict] = []
+        self._unseen = 0
+        """How many journal records at the end of `journal` no caller of poll_events() has seen yet."""
         self.latest_step = -1
         """Steps completed so far (the highest step index seen + 1)."""
         self.world_size = 0
@@ -137,11 +140,19 @@ class RunTail:
         new = self._samples.read()
         for r in new:
             self.processes.setdefault(r["pid"], []).append(r)
-        self.journal += self._events.read()
+        events = self._events.read()
+        self.journal += events
+        self._unseen += len(events)
         for r in sorted(new, key=lambda r: r["time"]):
             self.latest_step = max(self.latest_step, r["step"] + 1)
             self.world_size = r["world_size"]
         return new
+
+    def poll_events(self) -> list[dict]:
+        """poll(), then the journal records that arrived since the last call."""
+        self.poll()
+        unseen, self._unseen = self.journal[len(self.journal) - self._unseen:], 0
+        return unseen
 
     def newest(self, rank: int) -> dict | None:
         """The most recent sample record of any process that holds `rank` in its latest record."""

@@ -102,7 +102,7 @@ def test_global_batch_smaller_than_the_world_is_refused():
         TrainConfig(global_batch_size=4).check_world_size(5)
 
 
-# The decoded-split cache (mnist_cache.py): a restart maps the tensors instead of decoding them again.
+# The decoded-split cache (data/cache.py): a restart maps the tensors instead of decoding them again.
 
 def _cache_files(directory):
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []

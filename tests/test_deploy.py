@@ -6,7 +6,6 @@ workers launch with the same elastic settings as the manifests, and deploy/rende
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torchvision
 import yaml
-from conftest import tool, load_render
+from conftest import load_render, tool
 from torch.distributed.run import get_args_parser
 
 from elastic_mnist import torchrun_settings

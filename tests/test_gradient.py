@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from trainers import in_process_trainer
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import Split
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.worker.trainer import in_process_trainer
 
 
 def _split(n: int = 600) -> Split:
@@ -20,12 +20,12 @@ def _split(n: int = 600) -> Split:
     return Split(torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen))
 
 
-def _grads(rank: int, world: int, step: int) -> list[torch.Tensor]:
-    return _step(rank, world, step)[0]
+def _grads(rank: int, world: int, step: int, work: str) -> list[torch.Tensor]:
+    return _step(rank, world, step, work)[0]
 
 
-def _step(rank: int, world: int, step: int) -> tuple[list[torch.Tensor], bool]:
-    config = TrainConfig(global_batch_size=128, log_dir="")
+def _step(rank: int, world: int, step: int, work: str) -> tuple[list[torch.Tensor], bool]:
+    config = TrainConfig(global_batch_size=128, log_dir="", checkpoint_dir=os.path.join(work, f"ckpt-{world}"))
     trainer = in_process_trainer(config, _split(), _split(50), DistEnv(rank=rank, world_size=world), writes=False)
     trainer.forward_backward(step)
     return [p.grad.clone() for p in trainer.model.parameters()], trainer.replicas.uses_ddp
@@ -34,7 +34,7 @@ def _step(rank: int, world: int, step: int) -> tuple[list[torch.Tensor], bool]:
 def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        grads, uses_ddp = _step(rank, world, step=3)
+        grads, uses_ddp = _step(rank, world, 3, out_dir)
         torch.save(grads, os.path.join(out_dir, f"grads{rank}.pt"))
         # The MLP has no buffers: its gradients are averaged without DDP, whose constructor imports
         # torch._dynamo (a second of every worker start).
@@ -48,7 +48,7 @@ def test_ddp_gradient_over_three_uneven_ranks_equals_single_process(tmp_path):
     mp.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        expected = _grads(0, 1, step=3)
+        expected = _grads(0, 1, 3, str(tmp_path))
     finally:
         dist.destroy_process_group()
     for rank in range(3):

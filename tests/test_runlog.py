@@ -98,3 +98,29 @@ def test_run_tail_follows_steps_world_size_journal_and_rank0(tmp_path):
     assert [e["event"] for e in tail.journal] == ["startup"]
     assert tail.newest(rank=0)["step"] == 2 and tail.newest(rank=1) is None
     log.close()
+
+
+def test_events_are_records_and_the_live_view_picks_them_by_kind(tmp_path, capsys):
+    """Metrics.event writes a structured record (every rank) and prints rank 0's line; the live view shows
+    rank 0's progress and any rank's warnings from the records' kinds, each once, never by parsing text."""
+    from elastic_mnist.local.live import LiveView
+    from elastic_mnist.metrics import Metrics
+
+    logs = str(tmp_path / "logs")
+    with RunLog(logs, "", 0, 2, 0, node="n0") as log0, RunLog(logs, "", 1, 2, 0, node="n1") as log1:
+        m0, m1 = Metrics(0, logs, journal=log0), Metrics(1, logs, journal=log1)
+        m0.event("progress", "[train] step 5", step=5, loss=0.5)
+        m1.event("progress", "[train] step 5", step=5, loss=0.5)  # rank 1: recorded, not printed
+        m1.warn("peer lost near step 5")
+        m0.event("peer_lost", step=5, reason="reset")  # a record without a line
+    printed = capsys.readouterr()
+    assert printed.out.count("[train] step 5") == 1 and "peer lost" in printed.err
+    tail = RunTail(str(tmp_path / "samples"), logs)
+    records = tail.poll_events()
+    assert {(r["event"], r["rank"]) for r in records} == {("progress", 0), ("progress", 1), ("warning", 1),
+                                                          ("peer_lost", 0)}
+    assert next(r for r in records if r["event"] == "progress" and r["rank"] == 0)["loss"] == 0.5
+    LiveView().show(records)
+    shown = capsys.readouterr().out.splitlines()
+    assert len(shown) == 2 and "[n0] [train] step 5" in shown[0] and "[n1] peer lost near step 5" in shown[1]
+    assert tail.poll_events() == [], "each record is handed out once"

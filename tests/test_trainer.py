@@ -2,13 +2,16 @@
 
 import signal
 
+import pytest
 import torch
+from trainers import in_process_trainer
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import Split
+from elastic_mnist.state import fence
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.worker.control import StopRequest
-from elastic_mnist.worker.trainer import Trainer, in_process_trainer
+from elastic_mnist.worker.trainer import Trainer
 
 
 def _trainer(tmp_path, stop: StopRequest | None = None) -> Trainer:
@@ -42,7 +45,7 @@ def test_a_superseded_group_stops_without_writing(tmp_path):
 
     def forward_backward(step):
         if step == 7:  # a newer group claims the dir between the first and the second save
-            checkpoint.claim_generation(str(tmp_path / "ckpt"), 1)
+            fence.claim_generation(str(tmp_path / "ckpt"), 1)
         return original(step)
 
     trainer.forward_backward = forward_backward
@@ -53,10 +56,10 @@ def test_a_superseded_group_stops_without_writing(tmp_path):
 
 
 def test_generation_claims(tmp_path):
-    first = checkpoint.claim_generation(str(tmp_path), 2)
-    assert checkpoint.generation_is(str(tmp_path), first)
-    second = checkpoint.claim_generation(str(tmp_path), 1)
-    assert not checkpoint.generation_is(str(tmp_path), first) and checkpoint.generation_is(str(tmp_path), second)
+    first = fence.claim_generation(str(tmp_path), 2)
+    assert fence.generation_is(str(tmp_path), first)
+    second = fence.claim_generation(str(tmp_path), 1)
+    assert not fence.generation_is(str(tmp_path), first) and fence.generation_is(str(tmp_path), second)
 
 
 def test_periodic_saves_and_epoch_end(tmp_path):
@@ -66,3 +69,26 @@ def test_periodic_saves_and_epoch_end(tmp_path):
     assert steps == [40, 35, 30, 25, 20, 15, 10, 5]  # every 5 steps; 20 and 40 are also epoch ends
     assert summary["epochs_completed"] == 2 and summary["test_accuracy"] is not None
     assert summary["checkpoint_block_ms_p95"] >= summary["checkpoint_block_ms_p50"] > 0
+
+
+def test_a_resume_loads_one_progress_in_place_from_one_decode(tmp_path, monkeypatch):
+    """The Progress the trainer counts with is the one the manager loaded (no second copy to fall out of
+    step), and the newest checkpoint is decoded once on the way (when it was verified)."""
+    _trainer(tmp_path).train()
+    decodes = []
+    original = checkpoint.decode
+    monkeypatch.setattr(checkpoint, "decode", lambda blob, name="": decodes.append(name) or original(blob, name))
+    resumed = _trainer(tmp_path)
+    assert resumed.progress is resumed.checkpoints.progress and resumed.progress.step == 40
+    assert resumed.progress.resumes == 1 and resumed.progress.last_eval["step"] == 40
+    assert decodes == [str(tmp_path / "ckpt" / "ckpt-000000040.pt")]
+
+
+def test_a_checkpoint_of_another_set_of_objects_is_refused_before_anything_loads():
+    from elastic_mnist.errors import UserError
+    from elastic_mnist.state.registry import Progress, load_into
+
+    progress = Progress(step=3)
+    with pytest.raises(UserError, match="holds no state for scheduler .*another task"):
+        load_into({"progress": progress, "scheduler": Progress()}, {"progress": {"resumes": 9}}, "ckpt-1.pt")
+    assert progress.resumes == 0, "nothing was loaded"

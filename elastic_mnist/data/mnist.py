@@ -63,7 +63,7 @@ def load_split(root: str, train: bool, download: bool = False, cache_dir: str | 
 
     The raw IDX files are read directly when present: importing torchvision costs ~1-2 s, paid again by
     every worker on every membership change. The normalized tensors are cached in a memory-mapped file
-    checked against the raw files (mnist_cache.py), so a restart maps them instead of decoding again.
+    checked against the raw files (data/cache.py), so a restart maps them instead of decoding again.
     torchvision's MNIST remains the path that downloads (and reports a missing data set).
     """
     raw = Path(root) / "MNIST" / "raw"

@@ -27,7 +27,7 @@ from elastic_mnist.errors import UserError
 from elastic_mnist.local import chaos
 from elastic_mnist.local.live import LiveView
 from elastic_mnist.local.nodes import Node, restart_delay
-from elastic_mnist.procs import alive, child_env, torchrun_command
+from elastic_mnist.procs import NODE_ENV, alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
 
 POLL_S = 0.1
@@ -94,7 +94,7 @@ class Launcher:
         self.nodes: dict[str, Node] = {}
         self.events: list[chaos.Event] = []
         self.tail = RunTail(config.sample_log, config.log_dir)
-        self.view = LiveView(self.nodes)
+        self.view = LiveView()
         self.etcd = None
         self.t0 = time.time()
         self.nodes_started_at = self.t0
@@ -107,7 +107,7 @@ class Launcher:
         targs = torchrun_settings.torchrun_args(self.args.rdzv_backend, self.etcd.endpoint, self.run_id,
                                                 self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
         # torchrun's rendezvous decisions (INFO) go to the node logs unless the user chose a level.
-        env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"))
+        env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"), **{NODE_ENV: name})
         command = torchrun_command(targs, self.node_config(name).to_argv(), script=self.args.script)
         node = Node(name, command, env, self.args.run_dir)
         node.start()
@@ -162,8 +162,7 @@ class Launcher:
 
     def loop(self) -> None:
         while True:
-            self.tail.poll()
-            self.view.poll()
+            self.view.show(self.tail.poll_events())
             for node in list(self.nodes.values()):
                 node.tree()  # remember worker pids for the orphan check
                 self.supervise(node, time.time())
@@ -243,8 +242,7 @@ class Launcher:
         return round(min(firsts) - self.nodes_started_at, 3) if firsts else None
 
     def report(self) -> int:
-        self.tail.poll()
-        self.view.poll()
+        self.view.show(self.tail.poll_events())
         for event in self.events:
             chaos.account(event, self.tail.processes, self.tail.journal)
         orphans = sorted(pid for n in self.nodes.values() for pid in n.seen_pids if alive(pid))

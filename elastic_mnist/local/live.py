@@ -1,24 +1,24 @@
-"""Live progress for `elastic-mnist local`: the trainer's rank-0 lines from whichever node holds
-rank 0, warnings from any node, and the launcher's own events, each stamped with seconds since launch.
+"""Live progress for `elastic-mnist local`: the workers' journal records (rank 0's progress, any rank's
+warnings and failures) and the launcher's own events, each stamped with seconds since launch.
 
     elastic-mnist local --nodes 2     # prints what this module follows
+
+What is shown is chosen by each record's kind, never by parsing the printed text; torchrun's own
+INFO/WARNING chatter stays in the node logs.
 """
 
 from __future__ import annotations
 
 import time
 
-from elastic_mnist.runlog import LineTail
-
-# Lines worth showing live; torchrun's own INFO/WARNING chatter stays in the node logs.
-_SHOW = ("[train]", "[eval]", "[resume]", "[start]", "[stop]", "[done]", "[first-step]")
-_WARN = ("warning:", "collective failed", "error:")
+# Record kinds worth showing live: from rank 0 (one line per step of the job, not per rank), and from any
+# rank (a warning or a failure is news wherever it happens).
+_RANK0 = {"progress", "eval", "resume", "start", "stop", "done", "startup", "sync"}
+_ANY_RANK = {"warning", "collective_failed"}
 
 
 class LiveView:
-    def __init__(self, nodes: dict):
-        self.nodes = nodes
-        self._tails: dict[str, LineTail] = {}
+    def __init__(self):
         self.t0 = time.time()
 
     def _stamp(self) -> str:
@@ -27,9 +27,10 @@ class LiveView:
     def event(self, text: str) -> None:
         print(f"{self._stamp()} [local] {text}", flush=True)
 
-    def poll(self) -> None:
-        for name, node in list(self.nodes.items()):
-            tail = self._tails.setdefault(name, LineTail(node.log_path))
-            for line in tail.read():
-                if line.startswith(_SHOW) or any(w in line for w in _WARN):
-                    print(f"{self._stamp()} [{name}] {line.strip()[:240]}", flush=True)
+    def show(self, records: list[dict]) -> None:
+        """New journal records, in the order they were written."""
+        for r in sorted(records, key=lambda r: r["time"]):
+            kind = r.get("event")
+            if (kind in _ANY_RANK or (kind in _RANK0 and r.get("rank") == 0)) and r.get("message"):
+                where = r.get("node") or f"rank {r.get('rank')}"
+                print(f"{self._stamp()} [{where}] {r['message'][:240]}", flush=True)

@@ -76,7 +76,7 @@ def parse_launch(argv: list[str]) -> Launch:
 def finished_line(checkpoint_dir: str, max_steps: int = 0) -> str | None:
     """One line saying the job already finished, from the marker rank 0 writes at the end, or None.
     A larger --max-steps than the marker's step means "train further": not finished."""
-    from elastic_mnist.state.format import read_finished  # imports torch: only once the flags are good
+    from elastic_mnist.state.fence import read_finished  # imports torch: only once the flags are good
 
     record = read_finished(checkpoint_dir)
     if record is None or (max_steps and max_steps > int(record["step"])):

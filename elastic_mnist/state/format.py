@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
-import json
 import os
 import queue
 import re
@@ -162,29 +161,6 @@ def prune(directory: str, keep: int) -> list[str]:
     return removed
 
 
-GENERATION_FILE = ".generation"
-
-
-def claim_generation(directory: str, world_size: int) -> str:
-    """Rank 0 of a freshly formed group marks the checkpoint dir as its own.
-
-    A rendezvous can split (a live node declared dead keeps training while a new group forms); the
-    older group then finds another token here at its next save and leaves, so its agent rejoins.
-    """
-    token = os.urandom(8).hex()
-    record = json.dumps({"token": token, "pid": os.getpid(), "world_size": world_size, "time": time.time()})
-    write_durable(os.path.join(directory, GENERATION_FILE), record.encode(), replace=True)
-    return token
-
-
-def generation_is(directory: str, token: str) -> bool:
-    try:
-        with open(os.path.join(directory, GENERATION_FILE)) as f:
-            return json.load(f)["token"] == token
-    except (OSError, ValueError, KeyError):
-        return True  # unreadable: no evidence of a newer group
-
-
 def describe_latest(directory: str) -> dict | None:
     """Step, epoch, path and age of the newest valid checkpoint (for `status` and reports)."""
     found = load_latest(directory, warn=lambda _msg: None)
@@ -247,21 +223,3 @@ class CheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error
-
-
-FINISHED_FILE = "finished.json"
-
-
-def write_finished(directory: str, record: dict) -> None:
-    """Rank 0 marks the job complete; a node or pod that arrives later reads it and exits 0."""
-    write_durable(os.path.join(directory, FINISHED_FILE), json.dumps(record).encode(), replace=True)
-
-
-def read_finished(directory: str) -> dict | None:
-    """The completion record ({"step", "total_steps", "test_accuracy", "run_id", "time"}), or None."""
-    try:
-        with open(os.path.join(directory, FINISHED_FILE)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and "step" in record else None

@@ -2,17 +2,17 @@
 
     python -m elastic_mnist.train --data-dir ../shared/data --checkpoint-dir ckpt --checkpoint-every 100
 
-Built once per (re)start in train.py; the trainer asks it (`after_step`, `save_on_failure`, `finish`) and
+Built once per (re)start by worker/train.py's build_trainer; the trainer asks it (`after_step`, `save_on_failure`, `finish`) and
 never assembles a checkpoint itself. It owns the durable writer (--checkpoint-dir), the in-memory
 snapshot writer (--snapshot-dir), the split-brain fence, the snapshots' origin and lifetime, the
-configuration fingerprint, and the save/restore of model, optimizer, progress and RNG. File format,
-verification and publishing live in checkpoint.py; the cross-rank agreement in state_sync.py.
+configuration fingerprint, and the save/restore of the registered state objects (state/registry.py:
+model, optimizer, RNG, progress). File format, verification and publishing live in state/format.py; the
+cross-rank agreement in state/sync.py.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -20,36 +20,15 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics, percentile
+from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
-from elastic_mnist.state import snapshots
 from elastic_mnist.state import sync as state_sync
 from elastic_mnist.state.format import CheckpointWriter
+from elastic_mnist.state.registry import Progress, Stateful, clone_tree, cpu_snapshot, leaves, load_into
 
+# The objects whose device tensors a failure save takes from the last confirmed step (see confirm_step).
+_ON_DEVICE = ("model", "optimizer")
 
-@dataclass
-class Progress:
-    """What survives restarts inside the checkpoint besides model and optimizer."""
-
-    step: int = 0
-    resumes: int = 0
-    train_time_s: float = 0.0
-    samples_per_s: float = 0.0
-    """Steady-state throughput of the latest (re)start that trained enough steps to measure it."""
-    last_eval: dict = field(default_factory=dict)
-
-def map_tensors(obj, fn):
-    """obj with fn applied to every tensor in its nested dicts, lists and tuples."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
-
-def cpu_snapshot(obj):
-    """Deep copy of tensors to CPU so a background thread can serialize while training mutates them."""
-    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 class CheckpointManager:
     def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict):
@@ -62,7 +41,7 @@ class CheckpointManager:
         self.snapshots = CheckpointWriter(self.snapshot.directory, keep=2) if self.snapshot.directory else None
         self._token = ""
         self.snapshot_block_ms: list[float] = []
-        self.model = self.optimizer = None
+        self.objects: dict[str, Stateful] = {}
         self.progress = Progress()
         self.steps_per_epoch = 1
         self._confirmed: dict | None = None
@@ -71,34 +50,29 @@ class CheckpointManager:
         self._keeps_copy = False
 
     # -- restore ----------------------------------------------------------------------------------
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> None:
-        """The objects whose state this manager saves and restores (safe to repeat)."""
-        self.model, self.optimizer, self.steps_per_epoch = model, optimizer, steps_per_epoch
-        mode, on_gpu = self.config.failure_state, next(model.parameters()).device.type == "cuda"
+    def restore(self, objects: dict[str, Stateful], progress: Progress, steps_per_epoch: int) -> None:
+        """Collective: every rank offers its newest valid state, the newest wins and is loaded into every
+        registered object, and `progress`, in place. A fresh run is the case with no state. Safe to repeat.
+        `objects` must hold "model" and "optimizer" (the failure-state copy is theirs)."""
+        self.objects, self.progress, self.steps_per_epoch = objects, progress, steps_per_epoch
+        mode, on_gpu = self.config.failure_state, next(objects["model"].parameters()).device.type == "cuda"
         self._keeps_copy = mode == "copy" or (mode == "auto" and on_gpu)  # decided once, not per step
-
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Progress:
-        """Collective: every rank offers its newest valid state, the newest wins and is loaded into
-        model and optimizer. A fresh run is the case with no state. Safe to repeat."""
-        self.attach(model, optimizer, steps_per_epoch)
         self._sweep_snapshots()
         state, source = self._agree_on_state()
-        if self.env.rank == 0:  # this group now owns the checkpoint dir (see checkpoint.claim_generation)
-            self._token = checkpoint.claim_generation(self.config.checkpoint_dir, self.env.world_size)
+        if self.env.rank == 0:  # this group now owns the checkpoint dir (see fence.claim_generation)
+            self._token = fence.claim_generation(self.config.checkpoint_dir, self.env.world_size)
         if state is None:
-            self.metrics.print0(f"[start] fresh run at world size {self.env.world_size} "
-                                f"(no checkpoint in {self.config.checkpoint_dir})")
-            return self.progress
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.progress = Progress(**{**state["progress"], "step": state["step"]})
-        self.progress.resumes += 1
-        self.metrics.print0(
-            f"[resume] step {state['step']} (epoch {state['epoch']}, position {state['position']}) from {source}, "
-            f"saved at world size {state['world_size']}; now world size {self.env.world_size}, "
-            f"torchrun restart {self.env.restart_count}")
-        return self.progress
+            self.metrics.event("start", f"[start] fresh run at world size {self.env.world_size} "
+                               f"(no checkpoint in {self.config.checkpoint_dir})", world_size=self.env.world_size)
+            return
+        load_into({**objects, "progress": progress}, state, source)
+        progress.step = state["step"]
+        progress.resumes += 1
+        self.metrics.event(
+            "resume", f"[resume] step {state['step']} (epoch {state['epoch']}, position {state['position']}) from "
+            f"{source}, saved at world size {state['world_size']}; now world size {self.env.world_size}, "
+            f"torchrun restart {self.env.restart_count}", step=state["step"], source=source,
+            saved_world_size=state["world_size"])
 
     def _agree_on_state(self) -> tuple[dict | None, str]:
         config, env, error, mine = self.config, self.env, None, None
@@ -113,12 +87,14 @@ class CheckpointManager:
         chosen, owner, sent_to = state_sync.agree_on_state(mine, env.rank, env.world_size)
         if chosen is None:
             return None, ""
-        state = checkpoint.decode(chosen.blob, chosen.source)  # verifies the checksum of what was sent
+        # Decoded once: a local state when it was verified; what a peer sent, here (its checksum too).
+        state = chosen.state if chosen.state is not None else checkpoint.decode(chosen.blob, chosen.source)
         checkpoint.check_compatible(state, self.fingerprint, chosen.source)
         if self.writes:
             state_sync.keep_durable_copy(chosen, config.checkpoint_dir)
         if sent_to:
-            self.metrics.print0(f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}")
+            self.metrics.event("sync", f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}",
+                               step=chosen.step, owner=owner, sent_to=sent_to)
         return state, chosen.source
 
     def _sweep_snapshots(self) -> None:
@@ -127,7 +103,8 @@ class CheckpointManager:
         removed = snapshots.sweep(self.config.snapshot_dir, self.snapshot.run_root,
                                   self.config.snapshot_max_age_h * 3600, self.config.snapshot_cap_mb * 2**20)
         if removed:
-            self.metrics.print0(f"[snapshots] removed {len(removed)} stale snapshot dir(s) of other runs")
+            self.metrics.event("snapshots_swept", f"[snapshots] removed {len(removed)} stale snapshot dir(s) of other "
+                               "runs", removed=removed)
 
     # -- save -------------------------------------------------------------------------------------
     def confirm_step(self) -> None:
@@ -136,24 +113,24 @@ class CheckpointManager:
         copy (device-to-device, no host sync) of the last confirmed step instead of the live state."""
         if not self._keeps_copy:
             return
-        live = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        if self._confirmed is None or len(_leaves(live)) != len(_leaves(self._confirmed)):
-            self._confirmed = _clone_tree(live)  # first step, or Adam just created its state
+        live = {name: self.objects[name].state_dict() for name in _ON_DEVICE}
+        if self._confirmed is None or len(leaves(live)) != len(leaves(self._confirmed)):
+            self._confirmed = clone_tree(live)  # first step, or Adam just created its state
         else:
-            torch._foreach_copy_(_leaves(self._confirmed), _leaves(live))
+            torch._foreach_copy_(leaves(self._confirmed), leaves(live))
         self._confirmed_step = self.progress.step
 
     def capture(self, confirmed: bool = False) -> dict:
         """The whole training state as CPU copies a writer thread may serialize: at the current step, or
         (confirmed) at the last step every rank finished, where a device copy is kept."""
-        step, tensors = self.progress.step, {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        step = self.progress.step
+        parts = {name: obj.state_dict() for name, obj in {**self.objects, "progress": self.progress}.items()}
         if confirmed and self._confirmed is not None:
-            step, tensors = self._confirmed_step, self._confirmed
+            step = self._confirmed_step
+            parts.update(self._confirmed)
         epoch, position = divmod(step, self.steps_per_epoch)
-        progress = {k: v for k, v in asdict(self.progress).items() if k != "step"}
         return cpu_snapshot({
-            "step": step, "epoch": epoch, "position": position, **tensors,
-            "rng": {"torch": torch.get_rng_state()}, "progress": progress,
+            "step": step, "epoch": epoch, "position": position, **parts,
             "config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.env.world_size,
             "run_id": self.env.run_id, "origin": self.snapshot.origin, "saved_at": time.time(),
         })
@@ -169,7 +146,7 @@ class CheckpointManager:
             self.snapshot_block_ms.append((time.perf_counter() - t0) * 1000)
         if self.writer is None or not checkpoint_due:
             return False
-        if self._token and not checkpoint.generation_is(cfg.checkpoint_dir, self._token):
+        if self._token and not fence.generation_is(cfg.checkpoint_dir, self._token):
             self.metrics.warn(f"a newer group owns {cfg.checkpoint_dir}; this one stops to rejoin it")
             return True
         self._save(block=False)
@@ -209,7 +186,7 @@ class CheckpointManager:
     def mark_finished(self, summary: dict) -> None:
         """Training completed: record it for late nodes (and pods) and free this job's snapshots."""
         if self.env.rank == 0:
-            checkpoint.write_finished(self.config.checkpoint_dir, {
+            fence.write_finished(self.config.checkpoint_dir, {
                 "step": summary["global_step"], "total_steps": summary["total_steps"],
                 "test_accuracy": summary["test_accuracy"], "run_id": self.env.run_id, "time": time.time()})
         self.close()
@@ -231,13 +208,3 @@ class CheckpointManager:
             "snapshots_taken": len(self.snapshot_block_ms),
             "snapshot_block_ms_p50": percentile(self.snapshot_block_ms, 50),
         }
-
-def _leaves(tree) -> list[torch.Tensor]:
-    """The tensors of a nested dict/list, in a stable order (state_dict order)."""
-    found: list[torch.Tensor] = []
-    map_tensors(tree, found.append)
-    return found
-
-
-def _clone_tree(tree):
-    return map_tensors(tree, lambda t: t.detach().clone())

@@ -30,6 +30,8 @@ class Candidate:
     blob: bytes
     source: str
     """The file it came from, for the resume line."""
+    state: dict | None = None
+    """The decoded state when this rank verified it itself (decoded once); None for bytes a peer sent."""
 
     @property
     def digest(self) -> str:
@@ -42,7 +44,7 @@ def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | Non
         if origin is not None and state.get("origin") != origin:
             warn(f"warning: ignoring snapshot {path}: it belongs to another job ({state.get('origin')})")
             continue
-        return Candidate(step, blob, path)
+        return Candidate(step, blob, path, state)
     return None
 
 

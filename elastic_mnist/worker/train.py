@@ -30,15 +30,21 @@ from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics, process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
-from elastic_mnist.state.manager import CheckpointManager, cpu_snapshot
+from elastic_mnist.state.manager import CheckpointManager
+from elastic_mnist.state.registry import RngState, cpu_snapshot
 from elastic_mnist.worker.control import ControlPlane, StopRequest
 from elastic_mnist.worker.task import MnistMLP, Task
 from elastic_mnist.worker.trainer import EXIT_RESTART, Learner, Reporting, Trainer
 
 
-def _build(config, env, device, stack: ExitStack, task: Task, control: ControlPlane, marks: dict) -> Trainer:
-    """Data, model, optimizer and the checkpoint manager, restored from the newest state there is."""
-    metrics = Metrics(env.rank, config.log_dir)
+def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitStack, device=None,
+                  marks: dict | None = None) -> Trainer:
+    """Data, model, optimizer and the checkpoint manager, restored from the newest state there is. The
+    one way a Trainer is built: the worker below and the tests and benchmarks in one process alike."""
+    device, marks = device or torch.device("cpu"), {} if marks is None else marks
+    runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
+                                        env.restart_count, env.node))
+    metrics = Metrics(env.rank, config.log_dir, journal=runlog)
     stack.callback(metrics.close)
     train, test = task.datasets(config)
     marks["data"] = time.time()
@@ -48,11 +54,10 @@ def _build(config, env, device, stack: ExitStack, task: Task, control: ControlPl
     fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
     manager = CheckpointManager(config, env, metrics, fingerprint)
     stack.callback(manager.close)
-    progress = manager.restore(model, learner.optimizer, plan.steps_per_epoch)
+    state = {"model": model, "optimizer": learner.optimizer, "rng": RngState()}
+    manager.restore(state, learner.progress, plan.steps_per_epoch)
     marks["resumed"] = time.time()
-    metrics.open_tensorboard(progress.step)
-    runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
-                                        env.restart_count))
+    metrics.open_tensorboard(learner.progress.step)
     inputs = build_inputs(train, test, plan, env.world_size, env.rank, device, config.num_workers)
     return Trainer(config, env, learner, inputs, plan, manager, Reporting(metrics, runlog, marks), control)
 
@@ -82,7 +87,7 @@ def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
         config.check_world_size(env.world_size)
         control = ControlPlane(env.world_size, config, stop)
         stack.callback(control.leave)
-        return _train(_build(config, env, device, stack, task, control, marks), config, env)
+        return _train(build_trainer(config, env, task, control, stack, device, marks), config, env)
 
 
 def _write_final(config, env, trainer: Trainer, summary: dict) -> None:
@@ -93,8 +98,10 @@ def _write_final(config, env, trainer: Trainer, summary: dict) -> None:
     torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
     checkpoint.write_durable(os.path.join(config.log_dir, "model.pt"), buf.getvalue(), replace=True)
     trainer.metrics.write_summary(summary)
-    trainer.metrics.print0(f"[done] step {summary['global_step']} test_accuracy {summary['test_accuracy']:.4f} "
-                           f"samples/s {summary['samples_per_s']:.0f}; summary in {config.log_dir}/summary.json")
+    trainer.metrics.event("done", f"[done] step {summary['global_step']} test_accuracy "
+                          f"{summary['test_accuracy']:.4f} samples/s {summary['samples_per_s']:.0f}; summary in "
+                          f"{config.log_dir}/summary.json", step=summary["global_step"],
+                          test_accuracy=summary["test_accuracy"])
 
 
 @record

@@ -1,7 +1,7 @@
 """The training loop: world-size-invariant batches, loss weighting for uneven shares, the per-step
 agreement on the control plane, epoch-end evaluation, and what a rank does when a peer is lost. Built by
-elastic_mnist.train; knows nothing of etcd, and asks the checkpoint manager (checkpoints.py) what to
-save instead of assembling checkpoints itself.
+worker/train.py's build_trainer; knows nothing of etcd, and asks the checkpoint manager (state/manager.py)
+what to save instead of assembling checkpoints itself.
 
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1
 """
@@ -26,6 +26,7 @@ from elastic_mnist.distributed import DistEnv
 from elastic_mnist.metrics import Metrics, Throughput, process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state.manager import CheckpointManager
+from elastic_mnist.state.registry import Progress
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.parallel import DataParallel
@@ -36,11 +37,13 @@ EXIT_RESTART = 75  # EX_TEMPFAIL: "try again", which is what torchrun does with 
 
 @dataclass
 class Learner:
-    """What is trained: the task (loss, what counts as correct), its model and optimizer."""
+    """What is trained: the task (loss, what counts as correct), its model and optimizer, and how far it got
+    (the one Progress of this process, which the checkpoint manager loads in place)."""
 
     task: Task
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    progress: Progress = field(default_factory=Progress)
 
 
 @dataclass
@@ -62,8 +65,7 @@ class Trainer:
         self.inputs, self.plan = inputs, plan
         self.checkpoints, self.report, self.metrics, self.control = checkpoints, report, report.metrics, control
         self.stop = control.stop
-        checkpoints.attach(self.model, self.optimizer, plan.steps_per_epoch)
-        self.progress = checkpoints.progress
+        self.progress = learner.progress
         epochs_steps = config.epochs * plan.steps_per_epoch
         self.total_steps = min(epochs_steps, config.max_steps) if config.max_steps else epochs_steps
         self.device = next(self.model.parameters()).device
@@ -141,9 +143,8 @@ class Trainer:
         self.stopped_early = True
         why = ("superseded by a newer group" if self.superseded else
                "our torchrun agent died" if self.stop.orphaned else "stop requested")
-        self.metrics.print0(f"[stop] {why}; leaving at step {self.progress.step}")
-        self._journal("stop", step=self.progress.step, signalled=self.stop.requested, superseded=self.superseded,
-                      orphaned=self.stop.orphaned)
+        self.metrics.event("stop", f"[stop] {why}; leaving at step {self.progress.step}", step=self.progress.step,
+                           signalled=self.stop.requested, superseded=self.superseded, orphaned=self.stop.orphaned)
 
     def _after_step(self, loss: float, first: bool) -> None:
         step, cfg = self.progress.step, self.config
@@ -158,23 +159,19 @@ class Trainer:
         if self.checkpoints.after_step(epoch_end):
             self.superseded = True  # agreed at the next step; a stale group must not write
 
-    def _journal(self, kind: str, **fields) -> None:
-        if self.report.runlog is not None:
-            self.report.runlog.event(kind, **fields)
-
     def _report_first_step(self) -> None:
         age = process_age_s()
-        self._journal("startup", step=self.progress.step,
-                      phases={**self.report.startup_marks, "first_step": time.time()})
-        self.metrics.print0(f"[first-step] step {self.progress.step} done {age:.2f}s after process start "
-                            f"(world {self.world_size}, restart {self.env.restart_count})")
+        self.metrics.event("startup", f"[first-step] step {self.progress.step} done {age:.2f}s after process start "
+                           f"(world {self.world_size}, restart {self.env.restart_count})", step=self.progress.step,
+                           phases={**self.report.startup_marks, "first_step": time.time()})
         self.metrics.scalars(self.progress.step, {"elastic/start_to_first_step_s": age})
 
     def _log_progress(self, step: int, epoch: int, loss: float) -> None:
         rate = self.throughput.rate()
-        self.metrics.print0(
-            f"[train] epoch {epoch + 1}/{self.config.epochs} step {step}/{self.total_steps} loss {loss:.4f} "
-            f"world {self.world_size} restart {self.env.restart_count} samples/s {rate:.0f}")
+        self.metrics.event(
+            "progress", f"[train] epoch {epoch + 1}/{self.config.epochs} step {step}/{self.total_steps} loss {loss:.4f} "
+            f"world {self.world_size} restart {self.env.restart_count} samples/s {rate:.0f}",
+            step=step, epoch=epoch, loss=loss, samples_per_s=rate)
         self.metrics.scalars(step, {
             "train/loss": loss, "train/lr": self.optimizer.param_groups[0]["lr"], "train/samples_per_s": rate,
             "elastic/world_size": self.world_size, "elastic/restarts": self.env.restart_count})
@@ -201,9 +198,9 @@ class Trainer:
         step = self.progress.step
         result = {"step": step, "test_loss": loss_sum / count, "test_accuracy": correct / count}
         self.progress.last_eval = result
-        self._journal("eval", **result, train_time_s=self.progress.train_time_s)
-        self.metrics.print0(f"[eval] step {step} epoch {step / self.plan.steps_per_epoch:.2f} "
-                            f"test_loss {result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f}")
+        self.metrics.event("eval", f"[eval] step {step} epoch {step / self.plan.steps_per_epoch:.2f} "
+                           f"test_loss {result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f}",
+                           **result, train_time_s=self.progress.train_time_s)
         self.metrics.scalars(step, {"test/loss": result["test_loss"], "test/accuracy": result["test_accuracy"]})
         return result
 
@@ -216,7 +213,7 @@ class Trainer:
             return None
         if not self._failure_owner.acquire(blocking=False):
             threading.Event().wait()  # the peer watch is saving; it ends the process
-        self._journal("collective_failed", step=self.progress.step)
+        self.metrics.event("collective_failed", step=self.progress.step)
         return self.checkpoints.save_on_failure()
 
     def _on_peer_lost(self, reason: str) -> None:
@@ -224,14 +221,14 @@ class Trainer:
         main thread does not take over at once (a gloo send blocked until its timeout), save the last
         completed step from here and leave for torchrun to restart us."""
         self.metrics.warn(f"peer lost near step {self.progress.step}: {reason}")
-        self._journal("peer_lost", step=self.progress.step, reason=reason)
+        self.metrics.event("peer_lost", step=self.progress.step, reason=reason)
         if self.device.type == "cuda":
             distributed.abort_data_group()
         if self._main_failing.wait(1.0) or not self._failure_owner.acquire(blocking=False):
             return
         with self._state_lock:
             where = self.checkpoints.save_on_failure()
-        self._journal("saved_by_watch", step=self.progress.step, path=where)
+        self.metrics.event("saved_by_watch", step=self.progress.step, path=where)
         self.metrics.warn(f"state of step {self.progress.step} saved ({where}); exiting for torchrun to restart")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -256,22 +253,3 @@ class Trainer:
             "torchrun_restart_count": self.env.restart_count, "stopped_early": self.stopped_early,
             "step_ms_median": self.throughput.median_step_ms(), **self.checkpoints.stats(),
         }
-
-
-def in_process_trainer(config: TrainConfig, train, test, env: DistEnv = DistEnv(), writes: bool = True,
-                       stop=None) -> Trainer:
-    """A Trainer over given data in this process (tests, benchmarks): the MNIST MLP task, its checkpoint
-    manager (writing only if `writes`), restored from config.checkpoint_dir when that holds a state."""
-    from elastic_mnist.data.inputs import build_inputs
-    from elastic_mnist.worker.control import ControlPlane
-    from elastic_mnist.worker.task import MnistMLP
-
-    task, metrics = MnistMLP(), Metrics(env.rank, config.log_dir)
-    plan = BatchPlan(len(train), config.global_batch_size, config.seed)
-    model = task.build_model(config)
-    learner = Learner(task, model, task.build_optimizer(model, config))
-    manager = CheckpointManager(config, env if writes else DistEnv(rank=1, world_size=env.world_size), metrics,
-                                config.fingerprint())
-    manager.restore(model, learner.optimizer, plan.steps_per_epoch)
-    inputs = build_inputs(train, test, plan, env.world_size, env.rank, next(model.parameters()).device)
-    return Trainer(config, env, learner, inputs, plan, manager, Reporting(metrics), ControlPlane(env.world_size, config, stop))

@@ -10,6 +10,7 @@ from collections import Counter
 
 from elastic_mnist import procs, torchrun_settings
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import fence
 from elastic_mnist.state import format as checkpoint
 
 
@@ -55,7 +56,7 @@ class Job:
     def finish(self, timeout: float = 300) -> None:
         for a in self.agents[-self.nodes:]:
             assert a.wait(timeout=timeout) == 0, self.logs()
-        assert checkpoint.read_finished(str(self.tmp / "ckpt"))["step"] == self.max_steps
+        assert fence.read_finished(str(self.tmp / "ckpt"))["step"] == self.max_steps
 
     def redone_steps(self) -> int:
         """Steps that rank 0 trained more than once (one record per step per worker process)."""

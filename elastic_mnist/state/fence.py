@@ -1,0 +1,52 @@
+"""Who owns a checkpoint directory, and whether its job is done: the generation fence and the finished marker.
+
+    python -c "from elastic_mnist.state.fence import read_finished; print(read_finished('checkpoints'))"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from elastic_mnist.state.format import write_durable
+
+GENERATION_FILE = ".generation"
+
+
+def claim_generation(directory: str, world_size: int) -> str:
+    """Rank 0 of a freshly formed group marks the checkpoint dir as its own.
+
+    A rendezvous can split (a live node declared dead keeps training while a new group forms); the
+    older group then finds another token here at its next save and leaves, so its agent rejoins.
+    """
+    token = os.urandom(8).hex()
+    record = json.dumps({"token": token, "pid": os.getpid(), "world_size": world_size, "time": time.time()})
+    write_durable(os.path.join(directory, GENERATION_FILE), record.encode(), replace=True)
+    return token
+
+
+def generation_is(directory: str, token: str) -> bool:
+    try:
+        with open(os.path.join(directory, GENERATION_FILE)) as f:
+            return json.load(f)["token"] == token
+    except (OSError, ValueError, KeyError):
+        return True  # unreadable: no evidence of a newer group
+
+
+FINISHED_FILE = "finished.json"
+
+
+def write_finished(directory: str, record: dict) -> None:
+    """Rank 0 marks the job complete; a node or pod that arrives later reads it and exits 0."""
+    write_durable(os.path.join(directory, FINISHED_FILE), json.dumps(record).encode(), replace=True)
+
+
+def read_finished(directory: str) -> dict | None:
+    """The completion record ({"step", "total_steps", "test_accuracy", "run_id", "time"}), or None."""
+    try:
+        with open(os.path.join(directory, FINISHED_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "step" in record else None

@@ -1,0 +1,93 @@
+"""The training state as a registry of objects with `state_dict()` / `load_state_dict()` (torch's
+Stateful idea): the model, the optimizer, the RNG and the progress counters, each under its name. The
+checkpoint manager saves and restores whatever is registered; it never assembles state by hand.
+
+    python -c "from elastic_mnist.state.registry import Progress; p = Progress(); print(p.state_dict())"
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Protocol
+
+import torch
+
+from elastic_mnist.errors import UserError
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class Progress:
+    """What survives restarts besides the learned state. One object per process, created once and loaded in
+    place, so every holder (the trainer, the manager) sees the same counters."""
+
+    step: int = 0
+    """Optimizer steps completed; the checkpoint's identity (its file name) and the data position."""
+    resumes: int = 0
+    train_time_s: float = 0.0
+    samples_per_s: float = 0.0
+    """Steady-state throughput of the latest (re)start that trained enough steps to measure it."""
+    last_eval: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        # The step is stored once, beside the payload (every reader of a checkpoint needs it).
+        return {k: v for k, v in asdict(self).items() if k != "step"}
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
+
+
+class RngState:
+    """The CPU generator, so a resumed run draws what an uninterrupted one would."""
+
+    def state_dict(self) -> dict:
+        return {"torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+
+
+def load_into(objects: dict[str, Stateful], state: dict, source: str) -> None:
+    """Every registered object from its part of `state`; a state that lacks one is refused before any is
+    loaded (a checkpoint of another set of objects must not half-load)."""
+    missing = sorted(set(objects) - set(state))
+    if missing:
+        raise UserError(f"checkpoint {source} holds no state for {', '.join(missing)} (it has "
+                        f"{', '.join(sorted(k for k in state if k in objects))}): it was saved by another task. "
+                        "Use a different --checkpoint-dir for this one (nothing was deleted)")
+    for name, obj in objects.items():
+        obj.load_state_dict(state[name])
+
+
+def map_tensors(obj, fn):
+    """obj with fn applied to every tensor in its nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def cpu_snapshot(obj):
+    """Deep copy of tensors to CPU so a background thread can serialize while training mutates them."""
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
+
+
+def leaves(tree) -> list[torch.Tensor]:
+    """The tensors of a nested dict/list, in a stable order (state_dict order)."""
+    found: list[torch.Tensor] = []
+    map_tensors(tree, found.append)
+    return found
+
+
+def clone_tree(tree):
+    return map_tensors(tree, lambda t: t.detach().clone())
