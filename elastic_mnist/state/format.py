@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from elastic_mnist import files
 from elastic_mnist.errors import UserError
 from elastic_mnist.state import publish
 
@@ -87,14 +88,14 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     another writer completed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = publish.write_temp(directory, os.path.basename(path), data)
+    tmp = files.write_temp(directory, os.path.basename(path), data)
     try:
         published = publish.publish(tmp, path, replace)
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
     if published:
-        publish.fsync_dir(directory)
+        files.fsync_dir(directory)
     return published
 
 
