@@ -63,30 +63,40 @@ def fsync_dir(directory: str) -> None:
         os.close(dir_fd)
 
 
-def atomic_write(path: str | os.PathLike, data: Data, mode: int = 0o644) -> None:
-    """Replace path's content with data (bytes, text, or an iterable of byte chunks) in one step."""
+def write_then(path: str | os.PathLike, data: Data, mode: int, publish) -> bool:
+    """write_temp next to path, then publish(tmp, path) (True: published); the temp file never stays."""
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     tmp = write_temp(directory, os.path.basename(path), data, mode)
     try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_dir(directory)
+        published = publish(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    if published:
+        fsync_dir(directory)
+    return published
+
+
+def _replace(tmp: str, path: str) -> bool:
+    os.replace(tmp, path)
+    return True
+
+
+def _link_if_free(tmp: str, path: str) -> bool:
+    try:
+        os.link(tmp, path)  # unlike a rename, fails on an existing name
+    except FileExistsError:
+        return False
+    return True
+
+
+def atomic_write(path: str | os.PathLike, data: Data, mode: int = 0o644) -> None:
+    """Replace path's content with data (bytes, text, or an iterable of byte chunks) in one step."""
+    write_then(path, data, mode, _replace)
 
 
 def atomic_create(path: str | os.PathLike, data: Data, mode: int = 0o644) -> bool:
     """Like atomic_write, but never replaces an existing file: False (and nothing written) if path exists.
     A hard link publishes the complete temp file under the final name only if that name is free."""
-    path = os.fspath(path)
-    directory = os.path.dirname(path) or "."
-    tmp = write_temp(directory, os.path.basename(path), data, mode)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    fsync_dir(directory)
-    return True
+    return write_then(path, data, mode, _link_if_free)

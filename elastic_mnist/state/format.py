@@ -88,15 +88,7 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     another writer completed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = files.write_temp(directory, os.path.basename(path), data)
-    try:
-        published = publish.publish(tmp, path, replace)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    if published:
-        files.fsync_dir(directory)
-    return published
+    return files.write_then(path, data, 0o644, lambda tmp, final: publish.publish(tmp, final, replace))
 
 
 def iter_valid(directory: str, warn: Callable[[str], None] = print):
