@@ -32,6 +32,7 @@ from bench.runner import REPO, Runner, log, python_m
 from elastic_mnist import procs
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
+from elastic_mnist.torchrun_settings import fresh_worker_store
 
 STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
 
@@ -45,9 +46,8 @@ def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dic
                                   f"--rdzv-id={name}"], args)
     log_path = work / f"{name}.log"
     t0 = time.time()
-    # torch's c10d rendezvous (--standalone) shares one store across rounds by default, and a restarted
-    # round can then read the dead round's addresses (pytorch/pytorch#135712): opt out, as etcd-v3 does.
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    # torch's c10d rendezvous (--standalone) shares one store across rounds too: the same guard as etcd-v3.
+    env = fresh_worker_store(dict(env or {}))
     with open(log_path, "wb") as out:
         rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=procs.child_env(**env),
                             cwd=REPO, timeout=480).returncode

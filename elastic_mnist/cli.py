@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from elastic_mnist import exit_codes
 from elastic_mnist.errors import UserError
 
 # Imported lazily: `status` and `etcd` must not pay for importing torch.
@@ -36,18 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
-        return 0 if argv else 2
+        return exit_codes.OK if argv else exit_codes.USAGE
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"elastic-mnist: error: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     module = importlib.import_module(SUBCOMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)
     except UserError as e:
         print(f"elastic-mnist {name}: error: {e}", file=sys.stderr)
-        return 2
+        return exit_codes.USAGE
     except KeyboardInterrupt:
         print(f"elastic-mnist {name}: interrupted", file=sys.stderr)
-        return 130
+        return exit_codes.INTERRUPTED

@@ -12,6 +12,7 @@ import sys
 import time
 
 from elastic_mnist import procs
+from elastic_mnist.files import atomic_write
 from elastic_mnist.runlog import RunLog
 
 
@@ -62,12 +63,7 @@ class Metrics:
     def write_summary(self, summary: dict) -> None:
         if self.rank != 0:
             return
-        path = os.path.join(self.log_dir, "summary.json")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
+        atomic_write(os.path.join(self.log_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
     def close(self) -> None:
         if self._writer is not None:

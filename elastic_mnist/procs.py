@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from elastic_mnist import exit_codes
+
 T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
@@ -38,7 +40,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     parent = os.getppid()
     _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if os.getppid() != parent or parent == 1:
-        os._exit(1)
+        os._exit(exit_codes.FAILURE)
 
 
 def die_with_parent_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
@@ -51,7 +53,7 @@ def die_with_parent_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | N
     def preexec() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:  # the parent died between fork() and prctl()
-            os._exit(1)
+            os._exit(exit_codes.FAILURE)
     return preexec
 
 

@@ -40,9 +40,9 @@ from k8s_manifests import (
 )
 from torch.distributed.run import get_args_parser
 
-from elastic_mnist import torchrun_settings
+from elastic_mnist import exit_codes, torchrun_settings
 from elastic_mnist.config import parse_args
-from elastic_mnist.ops import pod, preflight
+from elastic_mnist.ops import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -356,8 +356,8 @@ def test_trainer_is_an_elastic_indexed_job(variant, variants):
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     fail = [r for r in rules if r["action"] == "FailJob"]
-    assert fail == [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [preflight.PERMANENT]}}]
-    assert pod.PERMANENT == preflight.PERMANENT != preflight.TRANSIENT
+    assert fail == [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [exit_codes.PERMANENT]}}]
+    assert preflight.PERMANENT == exit_codes.PERMANENT != exit_codes.TRANSIENT, "preflight exits with the shared codes"
     assert not [d for d in variants[variant] if d["kind"] == "PodDisruptionBudget"
                 and selects(d["spec"]["selector"], pod_labels(job))], "nothing may block a drain"
 

@@ -141,3 +141,40 @@ def test_the_command_exits_with_the_permanent_code(tmp_path):
                          capture_output=True, text=True, env=worker_env(), cwd=REPO, timeout=120)
     assert run.returncode == PERMANENT, run.stdout + run.stderr
     assert [line for line in run.stdout.splitlines() if "FAILED" in line], run.stdout
+
+
+def test_user_and_password_in_rdzv_conf_work_as_in_torchrun(etcd_server_auth, small_mnist, tmp_path, capfd):  # noqa: F811
+    password = etcd_server_auth.credential_file("job-password").read_text().strip()
+    launch = launch_for(etcd_server_auth.endpoint, small_mnist, tmp_path / "ckpt",
+                        f"--rdzv-conf=join_timeout=600,user=elastic-mnist,password={password}")
+    code, lines = checks(launch)
+    assert code == 0, lines
+    assert "password= in --rdzv-conf is visible" in capfd.readouterr().err, "the same warning as the backend"
+
+
+def test_an_unknown_rdzv_conf_key_is_refused_in_the_same_words_everywhere(capsys):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic_mnist.ops import preflight, status
+    from elastic_mnist.rendezvous.conf import EtcdV3ConfigError
+    from elastic_mnist.rendezvous.etcd_v3 import parse_settings
+
+    with pytest.raises(EtcdV3ConfigError) as backend:
+        parse_settings(RendezvousParameters("etcd-v3", "127.0.0.1:1", "job1", 1, 1, bogus_key="1"))
+    message = str(backend.value)
+    assert message.startswith("unknown --rdzv-conf key(s) for etcd-v3: bogus_key; valid keys: ")
+    with pytest.raises(EtcdV3ConfigError) as shown:
+        status.collect(status.build_parser().parse_args(["--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=job1",
+                                                         "--rdzv-conf=bogus_key=1"]))
+    assert str(shown.value) == message
+    assert preflight.main(["--rdzv-conf=bogus_key=1"]) == PERMANENT
+    assert capsys.readouterr().out == f"preflight: flags: FAILED: {message}\n"
+
+
+def test_backend_preflight_and_status_share_one_schema():
+    from elastic_mnist.ops import preflight, status
+    from elastic_mnist.rendezvous import conf, etcd_v3
+
+    assert etcd_v3.SCHEMA is preflight.SCHEMA is status.SCHEMA is conf.SCHEMA
+    assert etcd_v3.VALID_KEYS is conf.VALID_KEYS and "password" in conf.SECRET_KEYS
+    assert set(preflight.CONN_KEYS) >= {"user", "password", "password_file", "secret_file"}

@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from elastic_mnist.files import atomic_write
 
 CACHE_DIR_ENV = "ELASTIC_MNIST_CACHE_DIR"
 HEADER_BYTES = 4096
@@ -120,20 +121,12 @@ def write_cache(directory: Path, name: str, images: torch.Tensor, labels: torch.
                          "raw": raw_identity(raw_paths)}).encode()
     if len(header) >= HEADER_BYTES:
         return None
-    tmp = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from the other users of a shared data dir
-        with os.fdopen(fd, "wb") as f:
-            f.write(header.ljust(HEADER_BYTES, b" "))
-            f.write(memoryview(images.contiguous().numpy()).cast("B"))
-            f.write(memoryview(labels.to(torch.int64).contiguous().numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
+        # 0644: the other users of a shared data dir read it too.
+        atomic_write(directory / name, [header.ljust(HEADER_BYTES, b" "),
+                                        memoryview(images.contiguous().numpy()).cast("B"),
+                                        memoryview(labels.to(torch.int64).contiguous().numpy()).cast("B")], 0o644)
         return directory / name
     except OSError:
-        if tmp:
-            Path(tmp).unlink(missing_ok=True)
         return None

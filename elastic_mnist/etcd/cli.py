@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from elastic_mnist import exit_codes
 from elastic_mnist.errors import UserError
 from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, private_token_file
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not server.is_running():
                     print(f"etcd exited unexpectedly; log {server.log_path}:\n{server.log_tail()}",
                           file=sys.stderr)
-                    return 1
+                    return exit_codes.FAILURE
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.files import atomic_create
 from elastic_mnist.procs import die_with_parent_preexec
 
 BINARY_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"  # the variable torch's own etcd test helper reads
@@ -67,17 +68,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def private_token_file(path: Path) -> str:
-    """The token in `path`, created first (random, mode 0600, never overwritten) if it does not exist."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        token = path.read_text().strip()
-        if not token:
-            raise UserError(f"{path} is empty; delete it to have a new secret generated") from None
-        return token
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    return private_token_file(path)
+    """The token in `path`, created first (random, mode 0600, never overwritten) if it does not exist.
+    Created whole (atomic_create): a second process starting at the same time reads the token, never ''."""
+    atomic_create(path, secrets.token_urlsafe(32) + "\n", 0o600)  # False: it exists already, keep it
+    token = path.read_text().strip()
+    if not token:
+        raise UserError(f"{path} is empty; delete it to have a new secret generated")
+    return token
 
 
 class EtcdServer:

@@ -21,7 +21,7 @@ import sys
 import time
 
 from elastic_mnist import config as train_config
-from elastic_mnist import torchrun_settings
+from elastic_mnist import exit_codes, torchrun_settings
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
 from elastic_mnist.local import chaos
@@ -277,4 +277,4 @@ def main(argv: list[str] | None = None) -> int:
         return launcher.run()
     except KeyboardInterrupt:
         print("elastic-mnist local: interrupted; nodes and etcd stopped", file=sys.stderr, flush=True)
-        return 130
+        return exit_codes.INTERRUPTED

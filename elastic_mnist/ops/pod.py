@@ -25,9 +25,9 @@ import signal
 import subprocess
 import sys
 
-from elastic_mnist import procs
+from elastic_mnist import exit_codes, procs
 from elastic_mnist.errors import UserError
-from elastic_mnist.ops.preflight import PERMANENT, Launch, closed_line, finished_line, parse_launch
+from elastic_mnist.ops.preflight import Launch, closed_line, finished_line, parse_launch
 
 
 class Forwarder:
@@ -64,11 +64,11 @@ def _verdict(launch: Launch, config) -> int | None:
     done = finished_line(config.checkpoint_dir, config.max_steps)
     if done:
         print(f"elastic-mnist pod: {done}", flush=True)
-        return 0
+        return exit_codes.OK
     ended = closed_line(launch)
     if ended:
         print(f"elastic-mnist pod: error: {ended}", flush=True)
-        return PERMANENT
+        return exit_codes.PERMANENT
     return None
 
 
@@ -92,12 +92,12 @@ def run(argv: list[str]) -> int:
     problem = _index_error(launch)
     if problem:
         print(f"elastic-mnist pod: error: {problem}", flush=True)
-        return PERMANENT
+        return exit_codes.PERMANENT
     verdict = _verdict(launch, config)
     if verdict is not None:
         return verdict
     if forwarder.received:
-        return 128 + forwarder.received
+        return exit_codes.killed_by(forwarder.received)
     torchrun_args = argv[:argv.index("-m")]
     child = subprocess.Popen(procs.torchrun_command(torchrun_args, launch.train_args, module), env=procs.child_env(),
                              preexec_fn=procs.die_with_parent_preexec(signal.SIGTERM))
@@ -109,7 +109,7 @@ def run(argv: list[str]) -> int:
         verdict = _verdict(launch, config)
         if verdict is not None:
             return verdict
-    return code if code >= 0 else 128 - code
+    return code if code >= 0 else exit_codes.killed_by(-code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(list(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         print(f"elastic-mnist pod: error: {e}", flush=True)
-        return PERMANENT
+        return exit_codes.PERMANENT
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ from pathlib import Path
 
 from elastic_mnist.config import parse_args
 from elastic_mnist.errors import UserError
+from elastic_mnist.exit_codes import OK, PERMANENT, TRANSIENT, killed_by
+from elastic_mnist.rendezvous.conf import CONNECTION_KEYS, SCHEMA, parse_conf
 
-PERMANENT = 78  # sysexits EX_CONFIG
-TRANSIENT = 75  # sysexits EX_TEMPFAIL
+__all__ = ["PERMANENT", "SCHEMA", "TRANSIENT", "Launch", "closed_line", "finished_line", "main", "parse_launch",
+           "run_checks"]
 BACKENDS = ("etcd-v3", "etcd")
-# --rdzv-conf keys that say how to reach etcd (the rest tune the rendezvous itself).
-CONN_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "secret_file", "read_timeout")
+# What preflight reads from --rdzv-conf: how to reach etcd, and the secret the state is sealed with.
+CONN_KEYS = (*CONNECTION_KEYS, "secret_file")
 
 
 class Permanent(Exception):
@@ -67,8 +69,11 @@ def parse_launch(argv: list[str]) -> Launch:
     ns, rest = p.parse_known_args(launcher)
     if ns.rdzv_backend not in BACKENDS:
         raise UserError(f"--rdzv-backend {ns.rdzv_backend!r} is not one of {', '.join(BACKENDS)}")
-    conf = dict(item.partition("=")[::2] for item in ns.rdzv_conf.split(",") if item)
-    conn = {k: (float(v) if k == "read_timeout" else v) for k, v in conf.items() if k in CONN_KEYS}
+    # etcd-v3's keys are checked as its backend will (conf.py); torch's legacy `etcd` backend has keys of
+    # its own and ignores unknown ones, so for it only the connection keys are picked out.
+    conf = parse_conf(ns.rdzv_conf) if ns.rdzv_backend == "etcd-v3" else \
+        dict(item.partition("=")[::2] for item in ns.rdzv_conf.split(",") if item)
+    conn = {k: v for k, v in conf.items() if k in CONN_KEYS}
     return Launch(ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id, conn, conf.get("key_prefix"),
                   int(ns.nnodes.split(":")[-1]), rest if train is None else train, ns.wait)
 
@@ -155,16 +160,17 @@ def check_etcd(launch: Launch) -> str:
 def _check_etcd_v3(launch: Launch) -> str:
     from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
     from elastic_mnist.rendezvous._secrets import secret
-    from elastic_mnist.rendezvous.status import _spec  # --rdzv-conf and $ELASTIC_MNIST_ETCD_* as the backend reads them
+    from elastic_mnist.rendezvous.conf import EtcdV3ConfigError, connection_spec  # as the backend reads them
 
-    conn = {k: v for k, v in launch.conn.items() if k != "secret_file"}
     try:
         secret(launch.conn.get("secret_file"))  # a missing or short rendezvous secret is a config error
-        client = EtcdV3Client(_spec(launch.endpoint, {"read_timeout": 3.0, **conn}))
+        client = EtcdV3Client(connection_spec(launch.endpoint, {"read_timeout": 3.0, **launch.conn}))
         try:
             status = client.call("read the cluster status", lambda c: c.status())
         finally:
             client.close()
+    except EtcdV3ConfigError as e:
+        raise Permanent(str(e)) from None
     except EtcdV3Error as e:
         if "unreachable" in str(e) or "did not answer" in str(e):
             raise Transient(str(e)) from None
@@ -198,7 +204,7 @@ def run_checks(launch: Launch, say=print) -> int:
     done = finished_line(config.checkpoint_dir, config.max_steps)
     if done:
         say(f"preflight: {done}")
-        return 0
+        return OK
     for name, check in (("data", check_data), ("checkpoints", check_checkpoints), ("device", check_device)):
         try:
             say(f"preflight: {name}: ok: {check(config)}")
@@ -217,7 +223,7 @@ def _wait_for_etcd(launch: Launch, say) -> int:
             if ended:
                 say(f"preflight: rendezvous: FAILED (permanent, exit {PERMANENT}): {ended}")
                 return PERMANENT
-            return 0
+            return OK
         except Permanent as e:
             say(f"preflight: etcd: FAILED (permanent, exit {PERMANENT}): {e}")
             return PERMANENT
@@ -233,7 +239,7 @@ def _wait_for_etcd(launch: Launch, say) -> int:
 def _exit_on_term(signum, _frame):
     # As a container's PID 1 nothing happens on SIGTERM without a handler: a pod deleted while
     # waiting for etcd would sit out its whole grace period.
-    sys.exit(128 + signum)
+    sys.exit(killed_by(signum))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ import sys
 from datetime import datetime, timezone
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.rendezvous.conf import SCHEMA, parse_conf
 
-_CONN_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "password", "secret_file", "read_timeout",
-              "key_prefix")
+__all__ = ["SCHEMA", "build_parser", "collect", "main", "render"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,30 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", required=True, help="etcd host:port, as given to torchrun")
     p.add_argument("--rdzv-id", required=True, help="the job's rendezvous id (torchrun --rdzv-id)")
     p.add_argument("--rdzv-backend", choices=["etcd-v3", "etcd"], default="etcd-v3", help="rendezvous backend")
-    p.add_argument("--rdzv-conf", default="", help="connection settings as in torchrun: protocol, cacert, cert, "
-                                                    "key, user, password_file, secret_file, read_timeout, key_prefix "
-                                                    "(user, password_file and secret_file default to "
-                                                    "$ELASTIC_MNIST_ETCD_USER, $ELASTIC_MNIST_ETCD_PASSWORD_FILE and "
-                                                    "$ELASTIC_MNIST_RDZV_SECRET_FILE)")
+    p.add_argument("--rdzv-conf", default="", help=f"as given to torchrun, the same keys: {', '.join(SCHEMA)} "
+                   "(user, password_file and secret_file default to $ELASTIC_MNIST_ETCD_USER, "
+                   "$ELASTIC_MNIST_ETCD_PASSWORD_FILE and $ELASTIC_MNIST_RDZV_SECRET_FILE)")
     p.add_argument("--checkpoint-dir", default="", help="also show the newest valid checkpoint there")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout, for scripts")
     return p
 
 
-def _conn(text: str) -> dict:
-    conn = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key not in _CONN_KEYS:
-            raise UserError(f"bad --rdzv-conf item {item!r}: expected KEY=VALUE with KEY one of {', '.join(_CONN_KEYS)}")
-        conn[key] = float(value) if key == "read_timeout" else value
-    return conn
-
-
 def collect(args) -> dict:
     from elastic_mnist.rendezvous import read_rendezvous_status
 
-    conn = _conn(args.rdzv_conf)
+    conn = parse_conf(args.rdzv_conf)
     key_prefix = conn.pop("key_prefix", None)
     try:
         status = read_rendezvous_status(args.rdzv_endpoint, args.rdzv_id, args.rdzv_backend, key_prefix, **conn)

@@ -27,11 +27,10 @@ import grpc
 from etcd3 import etcdrpc
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.rendezvous.conf import DEFAULT_KEY_PREFIX, DEFAULT_READ_TIMEOUT_S
 
 T = TypeVar("T")
 DEFAULT_PORT = 2379
-DEFAULT_READ_TIMEOUT_S = 10.0
-DEFAULT_KEY_PREFIX = "/torchelastic/v3"
 # Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
 USER_ENV = "ELASTIC_MNIST_ETCD_USER"
 PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"

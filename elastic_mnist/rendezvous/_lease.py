@@ -23,7 +23,6 @@ import etcd3
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
 
 T = TypeVar("T")
-DEFAULT_LEASE_TTL_S = 7200
 
 
 class LeaseKeeper:

@@ -23,9 +23,9 @@ connections is dropped at once (_liveness.py, `peer_probe`); and an agent that e
 on (SIGTERM) takes itself out of the state on its way out (_leave.py). Only a frozen node, or one whose
 host vanished, still costs the heartbeat window.
 
---rdzv-conf keys (anything else is rejected, naming the key):
+--rdzv-conf keys (conf.py's SCHEMA, shared with preflight and status; anything else is rejected, naming the key):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
-  keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; defaults: torchrun_settings.RDZV_CONF
+  keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; tuned: torchrun_settings.RDZV_CONF
   read_timeout=10      deadline of each etcd call, seconds
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
@@ -58,36 +58,30 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic_mnist.errors import UserError
-from elastic_mnist.rendezvous._client import (
-    DEFAULT_KEY_PREFIX,
-    EtcdConnectionSpec,
-    EtcdV3Client,
-    EtcdV3Error,
-    run_key,
-)
-from elastic_mnist.rendezvous._lease import DEFAULT_LEASE_TTL_S, LeaseKeeper
+from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
-from elastic_mnist.rendezvous._secrets import credentials, secret
+from elastic_mnist.rendezvous._secrets import secret
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
+from elastic_mnist.rendezvous.conf import (
+    BACKEND_NAME,
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_LEASE_TTL_S,
+    HANDLER_KEYS,
+    SCHEMA,
+    VALID_KEYS,
+    EtcdV3ConfigError,
+    check_keys,
+    connection_spec,
+)
 from elastic_mnist.rendezvous.store import EtcdV3Store
-from elastic_mnist.torchrun_settings import RDZV_CONF
+from elastic_mnist.torchrun_settings import RDZV_CONF, fresh_worker_store
 
-BACKEND_NAME = "etcd-v3"
-# Read by torch's create_handler (dynamic_rendezvous.py): seconds, ints.
-HANDLER_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-                "keep_alive_interval", "keep_alive_max_attempt")
-CONNECTION_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file", "password")
-BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "secret_file", "peer_probe", *CONNECTION_KEYS)
-# torchrun's LaunchConfig always adds `timeout` (--rdzv-timeout, 900 s by default); like torch's own
-# dynamic backends we ignore it: the join deadline is join_timeout.
-TORCHRUN_KEYS = ("timeout",)
-VALID_KEYS = frozenset(HANDLER_KEYS + BACKEND_KEYS + TORCHRUN_KEYS)
-
-
-class EtcdV3ConfigError(ValueError, UserError):
-    """A bad --rdzv-conf for etcd-v3 (a ValueError, as torch raises for bad rendezvous options)."""
+# The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
+__all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",
+           "EtcdV3StateError", "create_backend", "create_rdzv_handler", "parse_settings", "with_tuned_defaults"]
 
 
 class EtcdV3ConnectionError(RendezvousConnectionError, EtcdV3Error):
@@ -136,26 +130,9 @@ def _lease_ttl(params: RendezvousParameters) -> int:
     return lease_ttl
 
 
-def _connection(params: RendezvousParameters) -> EtcdConnectionSpec:
-    raw_timeout = params.get("read_timeout")
-    try:
-        read_timeout = float(raw_timeout) if raw_timeout is not None else None
-    except ValueError as exc:
-        raise EtcdV3ConfigError(f"--rdzv-conf read_timeout={raw_timeout!r} is not a number of seconds") from exc
-    try:
-        user, password = credentials(params.get("user"), params.get("password"), params.get("password_file"))
-        return EtcdConnectionSpec.parse(params.endpoint, params.get("protocol"), read_timeout, user=user,
-                                        password=password, **{k: params.get(k) for k in ("cacert", "cert", "key")})
-    except EtcdV3Error as exc:
-        raise EtcdV3ConfigError(str(exc)) from exc
-
-
 def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
     """Validate params.config (unknown keys, numbers, TLS files, credentials) before any RPC."""
-    unknown = sorted(set(params.config) - VALID_KEYS)
-    if unknown:
-        raise EtcdV3ConfigError(f"unknown --rdzv-conf key(s) for {BACKEND_NAME}: {', '.join(unknown)}; "
-                                f"valid keys: {', '.join(sorted(VALID_KEYS))}")
+    check_keys(params.config)
     for key in HANDLER_KEYS:  # torch would only fail on these later, mid-rendezvous
         if _int_option(params, key, 1) <= 0:
             raise EtcdV3ConfigError(f"--rdzv-conf {key} must be a positive integer")
@@ -171,7 +148,7 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
     probe = _int_option(params, "peer_probe", 1)
     if probe not in (0, 1):
         raise EtcdV3ConfigError(f"--rdzv-conf peer_probe must be 0 or 1, not {params.get('peer_probe')!r}")
-    return EtcdV3Settings(_connection(params), prefix, _lease_ttl(params), job_secret, bool(probe))
+    return EtcdV3Settings(connection_spec(params.endpoint, params.config), prefix, _lease_ttl(params), job_secret, bool(probe))
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -289,12 +266,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     except UserError as exc:
         report(exc)
         raise
-    # Root cause of torch's shared-store restart hangs (pytorch/pytorch#135712): by default rank 0's agent
-    # hosts one TCPStore for its workers that outlives rendezvous rounds, and gloo's keys in it keep their
-    # names from round to round, so a new worker can read a dead peer's address and dial it. torch's own
-    # switch makes every round's workers start from a fresh store instead; this runs in the agent process
-    # that chose our backend, and a value set by the user still wins.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    fresh_worker_store(os.environ)  # in the agent process that chose our backend; see torchrun_settings
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:

@@ -16,12 +16,13 @@ import json
 from datetime import datetime
 from typing import Any
 
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
-from elastic_mnist.rendezvous._secrets import credentials, secret
+from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._secrets import secret
 from elastic_mnist.rendezvous._state import MAGIC, NodeDesc, RendezvousState, decode_state, unseal
+from elastic_mnist.rendezvous.conf import SCHEMA, check_keys, connection_spec
 
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
-__all__ = ["NodeDesc", "RendezvousState", "decode_state", "read_rendezvous_status"]
+__all__ = ["SCHEMA", "NodeDesc", "RendezvousState", "decode_state", "read_rendezvous_status"]
 
 
 def _iso(t: datetime | None) -> str | None:
@@ -41,12 +42,6 @@ def _dynamic_status(state: RendezvousState) -> dict[str, Any]:
     }
 
 
-def _spec(endpoint: str, conn: dict[str, Any]) -> EtcdConnectionSpec:
-    """conn as in --rdzv-conf; user and password_file fall back to the environment, as in the backend."""
-    user, password = credentials(conn.pop("user", None), conn.pop("password", None), conn.pop("password_file", None))
-    return EtcdConnectionSpec.parse(endpoint, user=user, password=password, **conn)
-
-
 def _integrity(key: str, stored: bytes, job_secret: bytes | None) -> str:
     if job_secret is not None:
         unseal(job_secret, key, stored)  # raises StateIntegrityError naming the cause
@@ -57,7 +52,7 @@ def _integrity(key: str, stored: bytes, job_secret: bytes | None) -> str:
 def _read_etcd_v3(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:
     key = run_key(key_prefix, run_id, "state")
     job_secret = secret(conn.pop("secret_file", None))
-    client = EtcdV3Client(_spec(endpoint, conn))
+    client = EtcdV3Client(connection_spec(endpoint, conn))
     try:
         resp = client.call("read the rendezvous state", lambda c: c.get_response(key))
     finally:
@@ -74,7 +69,7 @@ def _read_legacy_etcd(endpoint: str, run_id: str, key_prefix: str | None, **conn
     import etcd  # python-etcd: the v2 API that torch's `etcd` backend uses
 
     conn.pop("secret_file", None)  # the legacy backend's state is JSON, not sealed
-    spec = _spec(endpoint, conn)
+    spec = connection_spec(endpoint, conn)
     cert = (spec.cert, spec.key) if spec.cert else None
     client = etcd.Client(host=spec.host, port=spec.port, protocol=spec.protocol, cert=cert, ca_cert=spec.cacert,
                          username=spec.user, password=spec.password, read_timeout=spec.read_timeout)
@@ -96,12 +91,12 @@ def read_rendezvous_status(endpoint: str, run_id: str, backend: str = "etcd-v3",
                            **conn: Any) -> dict[str, Any]:
     """Round, phase, participants (with ranks and heartbeats) and waiting nodes of one job.
 
-    conn: protocol, cacert, cert, key, user, password_file, password, secret_file, read_timeout (as in
-    --rdzv-conf).
+    conn: any --rdzv-conf key of conf.SCHEMA (the connection ones and secret_file are used).
     Keys always present: backend, endpoint, run_id, key, found; when found also round, phase
     ("joining" | "complete" | "closed"), participants [{node, rank, last_heartbeat}], waiting.
     """
     readers = {"etcd-v3": _read_etcd_v3, "etcd": _read_legacy_etcd}
+    check_keys(conn)
     if backend not in readers:
         raise EtcdV3Error(f"status reads the etcd-v3 or etcd backends, not {backend!r}")
     result = readers[backend](endpoint, run_id, key_prefix, **conn)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from elastic_mnist import files
 from elastic_mnist.errors import UserError
 from elastic_mnist.state import publish
 
@@ -86,15 +87,7 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     another writer completed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = publish.write_temp(directory, os.path.basename(path), data)
-    try:
-        published = publish.publish(tmp, path, replace)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    if published:
-        publish.fsync_dir(directory)
-    return published
+    return files.write_then(path, data, 0o644, lambda tmp, final: publish.publish(tmp, final, replace))
 
 
 def iter_valid(directory: str, warn: Callable[[str], None] = print):

@@ -10,8 +10,8 @@ Each directory is probed once and gets the strongest method it supports:
   claim      exclusive create of `.NAME.claim`, then rename (SMB/Azure Files, FUSE without hard
              links): never clobbers as far as the server makes O_CREAT|O_EXCL atomic (SMB 2/3 and
              NFS v3+ do; object-store FUSE mounts may not).
-In every case the data is fsynced under a temporary name first and readers verify checksums, so a
-half-written file is never used as the newest checkpoint.
+In every case the data is fsynced under a temporary name first (elastic_mnist.files.write_temp) and
+readers verify checksums, so a half-written file is never used as the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import ctypes
 import errno
 import functools
 import os
-import threading
 import time
+
+from elastic_mnist.files import UNSUPPORTED
 
 
 def method_of(directory: str) -> str:
@@ -36,35 +37,9 @@ def method_of(directory: str) -> str:
 # server makes O_EXCL atomic). Readers verify checksums, so even a non-atomic rename never yields a
 # half-written checkpoint that is used.
 _PUBLISH_METHODS: dict[str, str] = {}
-# Errors by which a filesystem says "not supported here" (some FUSE filesystems answer EIO).
-_UNSUPPORTED = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EIO, errno.ENOSYS, errno.EMLINK,
-                errno.EINVAL, errno.EXDEV}
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
 _STALE_CLAIM_S = 120.0  # a claim is held for one exists-check and one rename: milliseconds
-
-
-def write_temp(directory: str, name: str, data: bytes) -> str:
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def fsync_dir(directory: str) -> None:
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # some network filesystems do not open directories; their renames are server-side
-    try:
-        os.fsync(dir_fd)
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
-            raise
-    finally:
-        os.close(dir_fd)
 
 
 def publish(tmp: str, path: str, replace: bool) -> bool:
@@ -77,7 +52,7 @@ def publish(tmp: str, path: str, replace: bool) -> bool:
         try:
             return {"link": _publish_link, "noreplace": _publish_noreplace, "claim": _publish_claim}[method](tmp, path)
         except OSError as e:
-            if e.errno not in _UNSUPPORTED or method == "claim":
+            if e.errno not in UNSUPPORTED or method == "claim":
                 raise
             _PUBLISH_METHODS[directory] = _next_method(method)  # the probe was optimistic; step down
 
@@ -96,7 +71,7 @@ def _publish_method(directory: str, tmp: str) -> str:
             os.unlink(probe)
             method = "link"
         except OSError as e:
-            if e.errno not in _UNSUPPORTED:
+            if e.errno not in UNSUPPORTED:
                 raise
             method = _next_method("link")
         _PUBLISH_METHODS[directory] = method

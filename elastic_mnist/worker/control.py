@@ -25,9 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from elastic_mnist import exit_codes
 from elastic_mnist.distributed import group_device
-
-EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
 
 
 class StopRequest:
@@ -53,7 +52,7 @@ class StopRequest:
         if signum != signal.SIGHUP:
             signal.signal(signum, signal.SIG_DFL)
         elif self.orphan_grace_s:
-            timer = threading.Timer(self.orphan_grace_s, os._exit, args=(EXIT_UNSUPERVISED,))
+            timer = threading.Timer(self.orphan_grace_s, os._exit, args=(exit_codes.UNSUPERVISED,))
             timer.daemon = True
             timer.start()
 

@@ -5,8 +5,8 @@
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1      # one process, no torchrun
 
 Every start is a resume: torchrun re-runs this on every membership change, and each step below is
-safe to repeat. Exit codes: 0 done (or stopped on our own SIGTERM), 2 bad input, 75 the group stopped
-for a membership change (torchrun restarts us into the next rendezvous round).
+safe to repeat. Exit codes (elastic_mnist.exit_codes): 0 done (or stopped on our own SIGTERM), 2 bad input, 75 the group
+stopped for a membership change (torchrun restarts us into the next rendezvous round).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist import distributed, procs
+from elastic_mnist import distributed, exit_codes, procs
 from elastic_mnist.config import parse_args
 from elastic_mnist.data.inputs import build_inputs
 from elastic_mnist.data.mnist import BatchPlan, dataset_fingerprint
@@ -34,7 +34,7 @@ from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import RngState, cpu_snapshot
 from elastic_mnist.worker.control import ControlPlane, StopRequest
 from elastic_mnist.worker.task import MnistMLP, Task
-from elastic_mnist.worker.trainer import EXIT_RESTART, Learner, Reporting, Trainer
+from elastic_mnist.worker.trainer import Learner, Reporting, Trainer
 
 
 def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitStack, device=None,
@@ -72,11 +72,11 @@ def _train(trainer: Trainer, config, env) -> int:
             raise
         trainer.metrics.warn(f"collective failed at step {trainer.progress.step} (a peer died or froze): "
                              f"{str(e).splitlines()[0][:200]}; state saved ({where}); exiting for torchrun to restart")
-        return EXIT_RESTART
+        return exit_codes.RESTART
     if trainer.stopped_early:
-        return 0 if trainer.stop.requested else EXIT_RESTART
+        return exit_codes.OK if trainer.stop.requested else exit_codes.RESTART
     _write_final(config, env, trainer, summary)
-    return 0
+    return exit_codes.OK
 
 
 def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
         return run(config, env, stop, task or MnistMLP(), marks)
     except UserError as e:
         print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return exit_codes.USAGE
 
 
 def launch(task: Task | None = None) -> NoReturn:

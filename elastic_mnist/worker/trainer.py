@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_mnist import distributed
+from elastic_mnist import distributed, exit_codes
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.distributed import DistEnv
@@ -31,8 +31,6 @@ from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.parallel import DataParallel
 from elastic_mnist.worker.task import Task
-
-EXIT_RESTART = 75  # EX_TEMPFAIL: "try again", which is what torchrun does with a failed worker
 
 
 @dataclass
@@ -232,7 +230,7 @@ class Trainer:
         self.metrics.warn(f"state of step {self.progress.step} saved ({where}); exiting for torchrun to restart")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_RESTART)
+        os._exit(exit_codes.RESTART)
 
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
