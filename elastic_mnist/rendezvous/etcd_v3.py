@@ -57,6 +57,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import (
     DEFAULT_KEY_PREFIX,
@@ -70,7 +71,7 @@ from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._secrets import credentials, secret
-from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
+from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.store import EtcdV3Store
 from elastic_mnist.torchrun_settings import RDZV_CONF
 
@@ -84,6 +85,8 @@ BACKEND_KEYS = ("read_timeout", "key_prefix", "lease_ttl", "secret_file", "peer_
 # dynamic backends we ignore it: the join deadline is join_timeout.
 TORCHRUN_KEYS = ("timeout",)
 VALID_KEYS = frozenset(HANDLER_KEYS + BACKEND_KEYS + TORCHRUN_KEYS)
+# torch unpickles what this backend returns: the classes our unpickler admits must still be torch's.
+compat.check_pickled_classes(ALLOWED_CLASSES)
 
 
 class EtcdV3ConfigError(ValueError, UserError):
@@ -294,12 +297,12 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     # names from round to round, so a new worker can read a dead peer's address and dial it. torch's own
     # switch makes every round's workers start from a fresh store instead; this runs in the agent process
     # that chose our backend, and a value set by the user still wins.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault(compat.DISABLE_SHARED_STORE_ENV, "1")
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:
         try:
-            backend.liveness.publish(str(handler._this_node))  # noqa: SLF001 - the node name torch's state uses
+            backend.liveness.publish(str(compat.handler_node(handler)))
         except OSError as exc:  # no route or address for a beacon: probing others still works
             print(f"elastic-mnist {BACKEND_NAME}: warning: no beacon for this agent ({exc}); others drop it "
                   "after the keep-alive window if it is killed (peer_probe=0 turns probing off)", file=sys.stderr)

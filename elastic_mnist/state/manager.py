@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.errors import UserError
@@ -140,7 +141,7 @@ class CheckpointManager:
         if self._confirmed is None or len(_leaves(live)) != len(_leaves(self._confirmed)):
             self._confirmed = _clone_tree(live)  # first step, or Adam just created its state
         else:
-            torch._foreach_copy_(_leaves(self._confirmed), _leaves(live))
+            compat.foreach_copy_(_leaves(self._confirmed), _leaves(live))
         self._confirmed_step = self.progress.step
 
     def capture(self, confirmed: bool = False) -> dict:

@@ -15,7 +15,6 @@ makes the others believe it died.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import threading
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.distributed import group_device
 
 EXIT_UNSUPERVISED = 70  # the agent died and the group could not agree on a stop in time
@@ -135,5 +135,5 @@ def _round_token() -> int:
 
 def _gloo_group(prefix: str, timeout_s: float) -> dist.ProcessGroup:
     """A gloo group over all ranks, on its own keys of the default store."""
-    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-    return dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), datetime.timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(prefix, compat.default_store())
+    return compat.gloo_group(store, dist.get_rank(), dist.get_world_size(), timeout_s)
