@@ -128,7 +128,8 @@ def _round_token() -> int:
     """A number every rank of this round agrees on (rank 0's, broadcast over the data group). The store
     torchrun hands workers can outlive a round (the c10d backend shares one across rounds), so groups
     keyed by a fixed name would meet the addresses of the previous round's dead processes there."""
-    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=group_device())  # not torch's RNG
+    # os.urandom, not torch's RNG (which training seeds and checkpoints).
+    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=group_device())
     dist.broadcast(token, src=0)
     return int(token.item())
 
