@@ -30,9 +30,9 @@ import torch
 from bench import machine
 from bench.runner import REPO, Runner, log, python_m
 from elastic_mnist import procs
+from elastic_mnist._torch_compat import fresh_worker_store
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
-from elastic_mnist.torchrun_settings import fresh_worker_store
 
 STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
 

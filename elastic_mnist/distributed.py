@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import UserError
 from elastic_mnist.procs import NODE_ENV
 
@@ -93,7 +94,7 @@ def abort_data_group() -> None:
     """Abort the NCCL communicators so a collective blocked on a lost peer returns at once (safe from
     another thread; torch documents it for NCCL)."""
     try:
-        dist.distributed_c10d._abort_process_group()
+        compat.abort_process_group()
     except (RuntimeError, ValueError):  # already aborted, destroyed, or a backend without abort
         pass
 

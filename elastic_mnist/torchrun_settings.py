@@ -6,8 +6,6 @@ manifests (checked by tests/test_k8s.py) and the README all use these.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-
 # Every membership change restarts the surviving workers and counts as one restart for torchrun's
 # failure path (a crash, a preemption): a long spot run sees many, so the budget must be large.
 MAX_RESTARTS = 100
@@ -22,21 +20,6 @@ RDZV_CONF = {
     "etcd": {"timeout": 600, "last_call_timeout": 1},
     "etcd-v3": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
 }
-
-
-# Root cause of torch's shared-store restart hangs (pytorch/pytorch#135712): by default rank 0's agent
-# hosts one TCPStore for its workers that outlives rendezvous rounds, and gloo's keys in it keep their
-# names from round to round, so a new worker can read a dead peer's address and dial it. torch's own
-# switch makes every round's workers start from a fresh store instead.
-FRESH_WORKER_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def fresh_worker_store(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
-    """Turn torch's stale-store guard on in env (an agent's os.environ, or a child's env); a value the
-    user set still wins. Returns env."""
-    for name, value in FRESH_WORKER_STORE.items():
-        env.setdefault(name, value)
-    return env
 
 
 def rdzv_conf(backend: str) -> str:

@@ -18,13 +18,8 @@ import atexit
 import logging
 import time
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    _Action,
-    _RendezvousContext,
-    _RendezvousExitOp,
-)
-
+from elastic_mnist import _torch_compat as compat
+from elastic_mnist._torch_compat import Action, DynamicRendezvousHandler, RendezvousContext, RendezvousExitOp
 from elastic_mnist.rendezvous._client import EtcdV3Client
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 
@@ -32,19 +27,19 @@ LEAVE_TIMEOUT_S = 5.0
 log = logging.getLogger(__name__)
 
 
-class _LeaveOp(_RendezvousExitOp):
+class _LeaveOp(RendezvousExitOp):
     """torch's exit operation, except on a closed rendezvous: a finished job's state stays as it ended."""
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
-        return _Action.FINISH if ctx.state.closed else super().__call__(ctx, deadline)
+    def __call__(self, ctx: RendezvousContext, deadline: float) -> Action:
+        return Action.FINISH if ctx.state.closed else super().__call__(ctx, deadline)
 
 
 def leave(handler: DynamicRendezvousHandler, client: EtcdV3Client, liveness: PeerLiveness | None = None) -> None:
     """Best effort, bounded: no waiting out an etcd outage on the way out. Then the beacon goes."""
     client.ride_out_outages = False
     try:
-        handler._stop_heartbeats()  # noqa: SLF001 - torch's handler has no public way to leave
-        handler._op_executor.run(_LeaveOp(), time.monotonic() + LEAVE_TIMEOUT_S)  # noqa: SLF001
+        compat.stop_heartbeats(handler)
+        compat.handler_op_executor(handler).run(_LeaveOp(), time.monotonic() + LEAVE_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - leaving is an optimization; the heartbeat window still holds
         log.info("could not leave the rendezvous at exit (%s); the others drop this node by its heartbeat", exc)
     try:

@@ -23,15 +23,15 @@ import pickle
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+from elastic_mnist import _torch_compat as compat
+from elastic_mnist._torch_compat import (
+    Action,
+    BackendRendezvousStateHolder,
+    DistributedRendezvousOpExecutor,
     DynamicRendezvousHandler,
-    _Action,
-    _BackendRendezvousStateHolder,
-    _DistributedRendezvousOpExecutor,
-    _RendezvousContext,
-    _RendezvousExitOp,
+    RendezvousContext,
+    RendezvousExitOp,
 )
-
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 
 LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat, or a last-call deadline, long passed
@@ -94,26 +94,27 @@ def close_when_everyone_is_in(state, window: timedelta) -> bool:
     return True
 
 
-class PromptOpExecutor(_DistributedRendezvousOpExecutor):
+class PromptOpExecutor(DistributedRendezvousOpExecutor):
     """torch's op executor, except that a state handler's SYNC (nothing to do but look again) waits for
     the state to change rather than sleeping: the handler only sees actions that act."""
 
     def __init__(self, handler: DynamicRendezvousHandler, wait_for_change: Callable[[float], bool]) -> None:
-        super().__init__(handler._this_node, handler._state_holder, handler._settings)  # noqa: SLF001
+        super().__init__(compat.handler_node(handler), compat.handler_state_holder(handler),
+                         compat.handler_settings(handler))
         self._wait_for_change = wait_for_change
         self._rejoining = False
 
     def run(self, state_handler, deadline: float, update_deadline=None) -> None:
         # torch's next_rendezvous runs its plain exit op, then a join op: this node is coming straight back.
-        self._rejoining = type(state_handler) is _RendezvousExitOp
-        def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
+        self._rejoining = type(state_handler) is RendezvousExitOp
+        def prompt(ctx: RendezvousContext, deadline: float) -> Action:
             action = state_handler(ctx, deadline)
-            while action == _Action.SYNC:
+            while action == Action.SYNC:
                 self._wait_for_change(POLL_S)
                 self._state_holder.sync()
                 # torch's loop acts on self._state: it must be the state the action was chosen from.
                 self._state = self._state_holder.state
-                action = state_handler(_RendezvousContext(self._node, self._state, self._settings), deadline)
+                action = state_handler(RendezvousContext(self._node, self._state, self._settings), deadline)
             return action
 
         super().run(prompt, deadline, update_deadline)
@@ -129,10 +130,11 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
 def make_prompt(handler: DynamicRendezvousHandler, backend) -> None:
     """Swap in the uncached state holder and the prompt executor (waiting on `backend.wait_for_change`),
     before the handler's first use."""
-    handler._state_holder = _BackendRendezvousStateHolder(backend, handler._settings, cache_duration=0)  # noqa: SLF001
-    handler._op_executor = PromptOpExecutor(handler, backend.wait_for_change)  # noqa: SLF001
+    compat.set_state_holder(handler, BackendRendezvousStateHolder(backend, compat.handler_settings(handler),
+                                                                  cache_duration=0))
+    compat.set_op_executor(handler, PromptOpExecutor(handler, backend.wait_for_change))
     # torch waits a random 0-0.3 s before a node's first join while the state it holds says round 0, to
     # spread a cold start's first writes. Read once now, a node joining a running job knows its round and
     # joins at once; on a cold start the state is still round 0 and the spread stays.
-    handler._state_holder.sync()  # noqa: SLF001
+    compat.handler_state_holder(handler).sync()
 

@@ -60,7 +60,7 @@ class RendezvousState:
     last_heartbeats: dict[NodeDesc, datetime] = field(default_factory=dict)
 
 
-_ALLOWED = {
+ALLOWED_CLASSES = {  # (module, name) as the pickle names them -> what they decode to
     (_DYNAMIC, "_RendezvousState"): RendezvousState,
     (_DYNAMIC, "_NodeDesc"): NodeDesc,
     ("datetime", "datetime"): datetime,
@@ -74,7 +74,7 @@ _ALLOWED = {
 class _StateUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return _ALLOWED[(module, name)]
+            return ALLOWED_CLASSES[(module, name)]
         except KeyError:
             raise pickle.UnpicklingError(f"unexpected class {module}.{name} in rendezvous state") from None
 

@@ -57,6 +57,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._lease import LeaseKeeper
@@ -64,7 +65,7 @@ from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._secrets import secret
-from elastic_mnist.rendezvous._state import StateIntegrityError, seal, unseal
+from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, seal, unseal
 from elastic_mnist.rendezvous.conf import (
     BACKEND_NAME,
     DEFAULT_KEY_PREFIX,
@@ -77,11 +78,13 @@ from elastic_mnist.rendezvous.conf import (
     connection_spec,
 )
 from elastic_mnist.rendezvous.store import EtcdV3Store
-from elastic_mnist.torchrun_settings import RDZV_CONF, fresh_worker_store
+from elastic_mnist.torchrun_settings import RDZV_CONF
 
 # The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
 __all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",
            "EtcdV3StateError", "create_backend", "create_rdzv_handler", "parse_settings", "with_tuned_defaults"]
+# torch unpickles what this backend returns: the classes our unpickler admits must still be torch's.
+compat.check_pickled_classes(ALLOWED_CLASSES)
 
 
 class EtcdV3ConnectionError(RendezvousConnectionError, EtcdV3Error):
@@ -266,12 +269,12 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     except UserError as exc:
         report(exc)
         raise
-    fresh_worker_store(os.environ)  # in the agent process that chose our backend; see torchrun_settings
+    compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:
         try:
-            backend.liveness.publish(str(handler._this_node))  # noqa: SLF001 - the node name torch's state uses
+            backend.liveness.publish(str(compat.handler_node(handler)))
         except OSError as exc:  # no route or address for a beacon: probing others still works
             print(f"elastic-mnist {BACKEND_NAME}: warning: no beacon for this agent ({exc}); others drop it "
                   "after the keep-alive window if it is killed (peer_probe=0 turns probing off)", file=sys.stderr)

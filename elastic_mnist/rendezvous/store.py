@@ -10,8 +10,9 @@ Workers do not use this store: by default torch shares a TCPStore hosted by the 
 torch's C++ layer (the PrefixStore torchrun's agent hands around) reaches a Python Store through a
 pybind trampoline that looks up methods by their C++ names for some calls (`getNumKeys`, `deleteKey`)
 and by their Python names for others (`compare_set`, `multi_get`, `multi_set`, `append`,
-`has_extended_api`, `clone`), so both spellings exist here. Read-modify-write operations (add,
-append, compare_set) are one etcd transaction guarded by the key's mod_revision, retried on a lost race.
+`has_extended_api`, `clone`), so both spellings exist here (the C++ ones added by _torch_compat).
+Read-modify-write operations (add, append, compare_set) are one etcd transaction guarded by the key's
+mod_revision, retried on a lost race.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
+from elastic_mnist._torch_compat import with_cpp_store_names
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 
@@ -33,6 +35,7 @@ def _bytes(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
 
 
+@with_cpp_store_names  # getNumKeys, deleteKey: the C++ names some calls arrive by
 class EtcdV3Store(Store):
     """A complete c10d Store (set/get/add/check/wait/compare_set/delete_key/num_keys, the extended API
     append/multi_get/multi_set, and clone), atomic via etcd transactions."""
@@ -123,9 +126,6 @@ class EtcdV3Store(Store):
         k = self._key(key)
         return bool(self._client.call(f"delete store key {key!r}", lambda c: c.delete(k)))
 
-    def deleteKey(self, key: str) -> bool:  # noqa: N802 - the name torch's C++ trampoline dispatches to
-        return self.delete_key(key)
-
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:  # type: ignore[override]
         return self.multi_get([key])[0]
@@ -150,9 +150,6 @@ class EtcdV3Store(Store):
     def num_keys(self) -> int:  # type: ignore[override]
         resp = self._client.call("count store keys", lambda c: c.get_prefix_response(self.prefix, count_only=True))
         return int(resp.count)
-
-    def getNumKeys(self) -> int:  # noqa: N802 - the name torch's C++ trampoline dispatches to
-        return self.num_keys()
 
     def has_extended_api(self) -> bool:  # type: ignore[override]
         return True  # append, multi_get and multi_set are native here, not torch's fallbacks

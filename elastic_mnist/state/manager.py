@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.errors import UserError
@@ -117,7 +116,7 @@ class CheckpointManager:
         if self._confirmed is None or len(leaves(live)) != len(leaves(self._confirmed)):
             self._confirmed = clone_tree(live)  # first step, or Adam just created its state
         else:
-            torch._foreach_copy_(leaves(self._confirmed), leaves(live))
+            compat.foreach_copy_(leaves(self._confirmed), leaves(live))
         self._confirmed_step = self.progress.step
 
     def capture(self, confirmed: bool = False) -> dict:

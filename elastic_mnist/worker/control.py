@@ -15,7 +15,6 @@ makes the others believe it died.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import threading
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist import exit_codes
 from elastic_mnist.distributed import group_device
 
@@ -127,12 +127,13 @@ def _round_token() -> int:
     """A number every rank of this round agrees on (rank 0's, broadcast over the data group). The store
     torchrun hands workers can outlive a round (the c10d backend shares one across rounds), so groups
     keyed by a fixed name would meet the addresses of the previous round's dead processes there."""
-    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=group_device())  # not torch's RNG
+    # os.urandom, not torch's RNG (which training seeds and checkpoints).
+    token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=group_device())
     dist.broadcast(token, src=0)
     return int(token.item())
 
 
 def _gloo_group(prefix: str, timeout_s: float) -> dist.ProcessGroup:
     """A gloo group over all ranks, on its own keys of the default store."""
-    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
-    return dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), datetime.timedelta(seconds=timeout_s))
+    store = dist.PrefixStore(prefix, compat.default_store())
+    return compat.gloo_group(store, dist.get_rank(), dist.get_world_size(), timeout_s)

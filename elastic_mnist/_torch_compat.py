@@ -1,0 +1,296 @@
+"""One place for torch's private API: every private torch name elastic-mnist uses, checked when imported.
+
+    python -m elastic_mnist._torch_compat    # prints each checked name, then OK (or the one mismatch)
+
+elastic-mnist builds on internals torch does not promise to keep: the dynamic rendezvous handler's op
+executor, state holder and state classes (rendezvous/_prompt.py, _leave.py, etcd_v3.py), the names torch's
+C++ Store trampoline dispatches to (rendezvous/store.py), the default store and a hand-built gloo group
+(worker/control.py), the NCCL abort (distributed.py) and torch._foreach_copy_ (state/manager.py). They are
+reached here and nowhere else (tests/test_torch_compat.py enforces it), and checked at import: a torch whose
+internals moved fails with ONE line naming its version and the mismatch, not with a rendezvous that
+silently misbehaves. The fields of the pickled state classes are checked against the torch-free stand-ins
+of rendezvous/_state.py by `check_pickled_classes`, which etcd_v3.py runs when it is imported (importing
+_state here would load the etcd client into every worker).
+
+The checks are cheap (hasattr, annotations, inspect.signature, names in code objects, one in-memory
+PrefixStore): this module is imported by workers, which must start fast, and imports nothing that those
+modules did not import before (no torch._dynamo, no etcd client).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+from elastic_mnist.errors import UserError
+
+SUPPORTED = "torch 2.13-2.14"
+_RDZV = "dynamic rendezvous internals"
+_C10D = "c10d internals"
+CHECKED: list[str] = []  # every name the checks covered, in order: what `python -m` prints
+log = logging.getLogger(__name__)
+
+
+class TorchCompatError(ImportError, UserError):
+    """The installed torch lacks an internal elastic-mnist relies on; the message is one line."""
+
+
+def mismatch(what: str, problem: str) -> TorchCompatError:
+    return TorchCompatError(f"elastic-mnist needs torch's {what}: torch {torch.__version__} {problem}; "
+                            f"supported: {SUPPORTED}")
+
+
+def require(owner, name: str, what: str = _RDZV):
+    """owner.name, or the one-line error. `owner` is a module or a class."""
+    label = f"{getattr(owner, '__name__', owner)}.{name}"
+    if not hasattr(owner, name):
+        raise mismatch(what, f"has no {label}")
+    CHECKED.append(label)
+    return getattr(owner, name)
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's fields, else the class's annotated attributes (torch's _RendezvousState is not a
+    dataclass: it annotates its attributes and sets them in __init__)."""
+    if dataclasses.is_dataclass(cls):
+        return tuple(f.name for f in dataclasses.fields(cls))
+    return tuple(inspect.get_annotations(cls))
+
+
+def require_fields(cls: type, fields: Iterable[str], what: str = _RDZV) -> None:
+    have = set(field_names(cls))
+    for name in fields:
+        if name not in have:
+            raise mismatch(what, f"has no field {cls.__name__}.{name}")
+        CHECKED.append(f"{cls.__name__}.{name} (field)")
+
+
+def require_params(func: Callable, params: tuple[str, ...], label: str, what: str = _RDZV) -> None:
+    """The signature starts with `params`, in that order: we pass them positionally."""
+    try:
+        names = tuple(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        raise mismatch(what, f"has no inspectable signature for {label}") from None
+    if names[:len(params)] != params:
+        raise mismatch(what, f"has {label}({', '.join(names)}), not ({', '.join(params)}, ...)")
+    CHECKED.append(f"{label}({', '.join(params)})")
+
+
+def require_in_code(func: Callable, names: Iterable[str], label: str, what: str = _RDZV) -> None:
+    """Each name is an attribute the function's code touches, or a string constant in it: how we know,
+    without reading source files, that torch's __init__ still sets the attributes we reach into."""
+    code = func.__code__
+    for name in names:
+        if name not in code.co_names and name not in code.co_consts:
+            raise mismatch(what, f"no longer uses {name} in {label}")
+        CHECKED.append(f"{label} uses {name}")
+
+
+# -- the dynamic rendezvous handler (rendezvous/_prompt.py, _leave.py, etcd_v3.py) ---------------------------
+# Public name here -> torch's name in dynamic_rendezvous. Loaded on first use (PEP 562 __getattr__ below):
+# importing torch's rendezvous package scans entry points, ~40 ms that workers, which never rendezvous, skip.
+_RDZV_EXPORTS = {
+    "Action": "_Action", "RendezvousContext": "_RendezvousContext", "RendezvousExitOp": "_RendezvousExitOp",
+    "BackendRendezvousStateHolder": "_BackendRendezvousStateHolder",
+    "DistributedRendezvousOpExecutor": "_DistributedRendezvousOpExecutor",
+    "DynamicRendezvousHandler": "DynamicRendezvousHandler",
+}
+# Read by torch's next_rendezvous: "1" makes each round's workers start from a fresh store.
+DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def fresh_worker_store(env):
+    """Turn torch's stale-store guard on in env (an agent's os.environ, or a child's env); a value the user
+    set still wins. Returns env. Root cause of torch's shared-store restart hangs (pytorch/pytorch#135712):
+    by default rank 0's agent hosts one TCPStore for its workers that outlives rendezvous rounds, and
+    gloo's keys in it keep their names from round to round, so a new worker can read a dead peer's
+    address and dial it; with the guard every round's workers start from a fresh store."""
+    env.setdefault(DISABLE_SHARED_STORE_ENV, "1")
+    return env
+_HANDLER_ATTRS = ("_this_node", "_settings", "_state_holder", "_op_executor")
+
+
+@functools.cache
+def _rendezvous() -> ModuleType:
+    """torch's dynamic_rendezvous, imported and checked once; its classes become this module's globals."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    globals().update({ours: require(dynamic_rendezvous, theirs) for ours, theirs in _RDZV_EXPORTS.items()})
+    _check_rendezvous()
+    return dynamic_rendezvous
+
+
+def __getattr__(name: str):
+    if name in _RDZV_EXPORTS:
+        _rendezvous()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_rendezvous() -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    g = globals()
+    for member in ("SYNC", "FINISH"):
+        require(g["Action"], member)
+    require_params(g["RendezvousContext"], ("node", "state", "settings"), "_RendezvousContext")
+    require_params(g["RendezvousExitOp"].__call__, ("self", "ctx", "deadline"), "_RendezvousExitOp.__call__")
+    holder = g["BackendRendezvousStateHolder"]
+    require_params(holder, ("backend", "settings", "cache_duration"), "_BackendRendezvousStateHolder")
+    for member in ("sync", "state"):
+        require(holder, member)
+    executor = g["DistributedRendezvousOpExecutor"]
+    require_params(executor, ("node", "state_holder", "settings"), "_DistributedRendezvousOpExecutor")
+    require_params(executor.run, ("self", "state_handler", "deadline", "update_deadline"),
+                   "_DistributedRendezvousOpExecutor.run")
+    require(executor, "_remove_from_participants")
+    # PromptOpExecutor reads these of its torch base class (as self._x).
+    require_in_code(executor.__init__, ("_node", "_state_holder", "_settings"), "_DistributedRendezvousOpExecutor")
+    require_in_code(executor.run, ("_state",), "_DistributedRendezvousOpExecutor.run")
+    handler = g["DynamicRendezvousHandler"]
+    require(handler, "_stop_heartbeats")
+    require_in_code(handler.__init__, _HANDLER_ATTRS, "DynamicRendezvousHandler")
+    require_in_code(handler.next_rendezvous, (DISABLE_SHARED_STORE_ENV,), "DynamicRendezvousHandler.next_rendezvous")
+    # with_tuned_defaults rebuilds the parameters positionally.
+    require_params(RendezvousParameters, ("backend", "endpoint", "run_id", "min_nodes", "max_nodes", "local_addr"),
+                   "RendezvousParameters")
+
+
+def check_pickled_classes(allowed: dict[tuple[str, str], type]) -> None:
+    """Each torch class the state unpickler admits (by module path and name) is where the pickle names it,
+    with every field of our stand-in: a state torch writes is one that _state.py decodes."""
+    for (module, name), stand_in in allowed.items():
+        if not module.startswith("torch"):
+            continue
+        dyn = _rendezvous()
+        cls = require(dyn, name) if module == dyn.__name__ else None
+        if cls is None or (cls.__module__, cls.__qualname__) != (module, name):
+            raise mismatch(_RDZV, f"pickles no {module}.{name}")
+        require_fields(cls, field_names(stand_in))
+
+
+def handler_node(handler):
+    """The handler's _NodeDesc: the node name torch's state uses."""
+    return handler._this_node
+
+
+def handler_settings(handler):
+    return handler._settings
+
+
+def handler_state_holder(handler):
+    return handler._state_holder
+
+
+def set_state_holder(handler, holder) -> None:
+    handler._state_holder = holder
+
+
+def handler_op_executor(handler):
+    return handler._op_executor
+
+
+def set_op_executor(handler, executor) -> None:
+    handler._op_executor = executor
+
+
+def stop_heartbeats(handler) -> None:
+    """torch's handler has no public way to leave: stop its keep-alive timer before we do."""
+    handler._stop_heartbeats()
+
+
+# -- c10d (worker/control.py, distributed.py, state/manager.py) ------------------------------------------------
+default_store = require(_c10d, "_get_default_store", _C10D)
+foreach_copy_ = require(torch, "_foreach_copy_", _C10D)
+_abort = getattr(_c10d, "_abort_process_group", None)  # experimental in torch: optional, see abort_process_group
+_abort_missing_said = False
+
+
+def _check_c10d() -> None:
+    require_params(default_store, (), "_get_default_store")
+    gloo = require(dist, "ProcessGroupGloo", _C10D)
+    # A pybind constructor has no signature, only its docstring's overloads.
+    if "timeout: datetime.timedelta" not in (gloo.__init__.__doc__ or ""):
+        raise mismatch(_C10D, "has no ProcessGroupGloo(store, rank, size, timeout: timedelta)")
+    CHECKED.append("ProcessGroupGloo(store, rank, size, timeout)")
+    if _abort is not None:
+        require_params(_abort, ("group",), "_abort_process_group", _C10D)
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+
+
+def abort_process_group() -> bool:
+    """Abort every process group (torch's experimental _abort_process_group); False, said once, where this
+    torch has none. Raises what torch raises (RuntimeError, ValueError) for a group it cannot abort."""
+    global _abort_missing_said
+    if _abort is None:
+        if not _abort_missing_said:
+            _abort_missing_said = True
+            log.warning("torch %s has no _abort_process_group: a collective blocked on a lost peer waits for "
+                        "its timeout", torch.__version__)
+        return False
+    _abort()
+    return True
+
+
+# -- the C++ Store trampoline (rendezvous/store.py) ------------------------------------------------------------
+# A Python Store reached through a C++ PrefixStore (what torchrun's agent hands around) is called by these
+# C++ names for some operations, by its Python names for the others.
+CPP_STORE_NAMES = {"getNumKeys": "num_keys", "deleteKey": "delete_key"}
+
+
+def with_cpp_store_names(cls: type) -> type:
+    """Class decorator: the C++ spellings the trampoline dispatches to, as aliases of the Python methods."""
+    for cpp_name, py_name in CPP_STORE_NAMES.items():
+        setattr(cls, cpp_name, getattr(cls, py_name))
+    return cls
+
+
+def _check_store_trampoline() -> None:
+    @with_cpp_store_names
+    class Probe(dist.Store):
+        def num_keys(self) -> int:
+            return 7
+
+        def delete_key(self, key: str) -> bool:
+            return key == "p/k"
+
+    probe = Probe()  # kept referenced: a PrefixStore does not keep a Python store alive
+    prefixed = dist.PrefixStore("p", probe)
+    try:
+        reached = prefixed.num_keys() == 7 and prefixed.delete_key("k")
+    except RuntimeError:  # "Tried to call pure virtual function": dispatched to a name we do not define
+        reached = False
+    if not reached:
+        raise mismatch("C++ Store trampoline", f"dispatches to none of {', '.join(CPP_STORE_NAMES)}")
+    CHECKED.append(f"Store trampoline -> {', '.join(CPP_STORE_NAMES)}")
+
+
+_check_c10d()
+_check_store_trampoline()
+
+
+def main() -> None:
+    from elastic_mnist.rendezvous._state import ALLOWED_CLASSES  # the etcd client too: fine here, not in workers
+
+    _rendezvous()
+    check_pickled_classes(ALLOWED_CLASSES)
+    for name in CHECKED:
+        print(name)
+    optional = "" if _abort is not None else " (no _abort_process_group: aborting is a no-op)"
+    print(f"OK: torch {torch.__version__}{optional}")
+
+
+if __name__ == "__main__":
+    main()
