@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torchvision
 import yaml
 from conftest import load_render, tool
 from torch.distributed.run import get_args_parser
@@ -58,7 +57,10 @@ def test_hadolint_is_clean():
     assert run.returncode == 0 and not run.stdout.strip(), run.stdout + run.stderr
 
 
+@pytest.mark.vision  # and the image's torch: the torch-2.13 tier checks neither
 def test_base_image_is_pinned_and_carries_the_tested_torch():
+    import torchvision
+
     args = dict(a.split("=", 1) for kind, a in DOCKER if kind == "ARG" and "=" in a)
     froms = [rest.split()[0] for kind, rest in DOCKER if kind == "FROM"]
     assert froms and all(f == "${BASE_IMAGE}" for f in froms), froms

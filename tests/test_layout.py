@@ -1,0 +1,74 @@
+"""The house by concern: every import inside the package runs downward, from the public face through the
+operator tools and the worker to the base, never back up (lazy imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "elastic_mnist"
+
+# Floors, top to bottom: a module may import its own room and any room on a lower floor.
+FLOORS = [
+    {"__init__", "__main__"},
+    {"cli", "train", "task"},  # the public face: `elastic-mnist`, `-m elastic_mnist.train`, `Task`
+    {"local", "ops"},  # the launcher; the pod entry, preflight and status
+    {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
+    {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
+    {"config", "distributed", "metrics", "torchrun_settings"},
+    {"runlog", "procs", "files", "_torch_compat"},
+    {"errors", "exit_codes"},
+]
+FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every elastic_mnist module this file imports, `from elastic_mnist import x` as x."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "elastic_mnist":
+            found += [(node.lineno, f"elastic_mnist.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("elastic_mnist."):
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("elastic_mnist.")]
+    return found
+
+
+def upward_imports(package: Path = PACKAGE) -> list[str]:
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).with_suffix("")
+        here = room_of(".".join(rel.parts))
+        for line, module in imports(path):
+            there = room_of(module)
+            assert there in FLOOR, f"{module} (imported by {rel}) is in no floor: add its room to FLOORS"
+            if there != here and FLOOR[there] <= FLOOR[here]:
+                bad.append(f"{rel}.py:{line} ({here}, floor {FLOOR[here]}) imports {module} (floor {FLOOR[there]})")
+    return bad
+
+
+def test_every_room_is_on_a_floor():
+    rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert rooms == set(FLOOR), f"unplaced: {rooms - set(FLOOR)}, gone: {set(FLOOR) - rooms}"
+
+
+def test_every_import_runs_downward():
+    assert upward_imports() == []
+
+
+def test_an_upward_import_is_found(tmp_path):
+    pkg = tmp_path / "elastic_mnist"
+    (pkg / "state").mkdir(parents=True)
+    (pkg / "config.py").write_text("def f():\n    from elastic_mnist.state.manager import CheckpointManager\n")
+    (pkg / "state" / "manager.py").write_text("from elastic_mnist import config, worker\n")
+    assert upward_imports(pkg) == [
+        "elastic_mnist/config.py:2 (config, floor 5) imports elastic_mnist.state.manager (floor 4)",
+        "elastic_mnist/state/manager.py:1 (state, floor 4) imports elastic_mnist.worker (floor 3)",
+    ]
