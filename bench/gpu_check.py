@@ -40,8 +40,8 @@ STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
 def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dict | None = None) -> dict:
     """One torchrun run with a fixed checkpoint dir (so a second call resumes); its log and summary."""
     args = [f"--data-dir={check.data_dir}", f"--checkpoint-dir={work / 'ckpt'}", f"--log-dir={work / 'runs'}",
-            f"--sample-log={work / 'samples'}", f"--max-steps={steps}", "--epochs=1000", f"--backend={check.backend}", "--log-every=100",
-            f"--snapshot-dir={work / 'shm'}"]
+            f"--sample-log={work / 'samples'}", f"--max-steps={steps}", "--epochs=1000", f"--backend={check.backend}",
+            "--log-every=100", f"--snapshot-dir={work / 'shm'}"]
     cmd = procs.torchrun_command(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=3",
                                   f"--rdzv-id={name}"], args)
     log_path = work / f"{name}.log"
@@ -63,8 +63,8 @@ def check_train_and_resume(work: Path, check: Check) -> dict:
     resumed = re.search(r"\[resume\] step (\d+)", second["log"])
     return {"ok": first["rc"] == 0 and second["rc"] == 0 and resumed is not None
             and int(resumed.group(1)) == RESUME_AT and second["summary"].get("global_step") == STEPS,
-            "resumed_at": int(resumed.group(1)) if resumed else None, "final_step": second["summary"].get("global_step"),
-            "samples_per_s": second["summary"].get("samples_per_s"),
+            "resumed_at": int(resumed.group(1)) if resumed else None,
+            "final_step": second["summary"].get("global_step"), "samples_per_s": second["summary"].get("samples_per_s"),
             "test_accuracy": second["summary"].get("test_accuracy"), "exit_codes": [first["rc"], second["rc"]]}
 
 
@@ -72,7 +72,8 @@ def check_throughput(work: Path, check: Check) -> dict:
     ours = _train(work, "throughput", check, 1, STEPS)["summary"].get("samples_per_s")
     bare = check.runner.json_line(python_m("bench.bare_loop") + ["--data-dir", check.data_dir, "--steps", str(STEPS),
                                                                   "--device", check.device], "bare")["samples_per_s"]
-    return {"ours_samples_per_s": ours, "bare_samples_per_s": bare, "ours_vs_bare": round(ours / bare, 3) if ours else None}
+    return {"ours_samples_per_s": ours, "bare_samples_per_s": bare,
+            "ours_vs_bare": round(ours / bare, 3) if ours else None}
 
 
 def check_peer_loss(work: Path, check: Check) -> dict:
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("bench.gpu_check: error: no CUDA device visible; run with --dry-run to check on CPU", file=sys.stderr)
         return 2
-    check = Check(args.data_dir, args.dry_run, Runner(args.work_dir or f"/tmp/elastic-mnist-gpu-check-{int(time.time())}"))
+    check = Check(args.data_dir, args.dry_run,
+                  Runner(args.work_dir or f"/tmp/elastic-mnist-gpu-check-{int(time.time())}"))
     if args.dry_run:
         check.backend, check.device = "gloo", "cpu"
     else:

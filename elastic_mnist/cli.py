@@ -22,7 +22,8 @@ SUBCOMMANDS = {
     "local": ("elastic_mnist.local.launcher", "embedded etcd + N torchrun nodes on this machine, with fault injection"),
     "status": ("elastic_mnist.ops.status", "rendezvous round, members and latest checkpoint of a job"),
     "preflight": ("elastic_mnist.ops.preflight", "check data, checkpoint storage, etcd and GPU before a node starts"),
-    "pod": ("elastic_mnist.ops.pod", "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
+    "pod": ("elastic_mnist.ops.pod",
+            "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
 }
 
 

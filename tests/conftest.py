@@ -72,7 +72,7 @@ def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float
                           timeout=timeout, env=worker_env(), cwd=REPO)
 
 
-from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
+from etcd_fixtures import etcd_server, etcd_server_auth, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
 
 
 def pytest_collection_modifyitems(config, items):

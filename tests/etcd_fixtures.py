@@ -2,14 +2,15 @@
 
 conftest.py imports them so every test module can ask for them:
 
-    from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: F401  (pytest fixtures)
+    from etcd_fixtures import etcd_server, etcd_server_auth, etcd_server_v3only  # noqa: F401  (pytest fixtures)
 
     def test_something(etcd_server_v3only):
         ... --rdzv-endpoint=etcd_server_v3only.endpoint ...
 
 Helpers: `rdzv_params` (RendezvousParameters as torchrun builds them), `state_bits` (a real pickled
-rendezvous state: the etcd-v3 backend refuses anything else), `raw_client` (a plain etcd3 client), `wait_for_state` (block on etcd watches until a job's rendezvous state matches), and
-`write_test_pki(dir)` (throw-away certificates for TLS tests; needs `cryptography`).
+rendezvous state: the etcd-v3 backend refuses anything else), `raw_client` (a plain etcd3 client),
+`wait_for_state` (block on etcd watches until a job's rendezvous state matches), and `write_test_pki(dir)`
+(throw-away certificates for TLS tests; needs `cryptography`).
 
 `etcd_server` also serves the v2 API (torch's legacy `etcd` / `etcd-v2` backends need it);
 `etcd_server_v3only` does not, which proves a backend uses v3 only. `etcd_server_auth` has

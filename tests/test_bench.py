@@ -69,8 +69,8 @@ def test_every_number_is_finite(quick):
 def test_throughput_numbers_are_positive(quick):
     _, results, _ = quick
     t = results["throughput"]
-    assert {(r["impl"], r["world_size"]) for r in t["runs"]} == {("bare", 1), ("seed", 1), ("ours", 1), ("dataloader", 1),
-                                                                 ("seed", 2), ("ours", 2)}
+    assert {(r["impl"], r["world_size"]) for r in t["runs"]} == {("bare", 1), ("seed", 1), ("ours", 1),
+                                                                 ("dataloader", 1), ("seed", 2), ("ours", 2)}
     assert t["summary"]["1"]["dataloader_vs_ours"] > 0, "the DataLoader path is measured beside the default"
     for r in t["runs"]:
         assert all(r[k] > 0 for k in POSITIVE), r

@@ -31,9 +31,9 @@ render = load_render()
 
 def instructions(text: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, rest) per Dockerfile instruction, continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
-    return [(l.split(None, 1)[0].upper(), l.split(None, 1)[1] if " " in l.strip() else "")
-            for l in (x.strip() for x in joined.splitlines()) if l]
+    joined = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+            for line in (x.strip() for x in joined.splitlines()) if line]
 
 
 def exec_form(rest: str) -> list[str]:
@@ -126,8 +126,8 @@ def _docker_ignored(patterns: list[str], path: str) -> bool:
 
 
 def test_build_context_holds_the_sources_and_nothing_heavy():
-    patterns = [l.strip() for l in (REPO / ".dockerignore").read_text().splitlines()
-                if l.strip() and not l.startswith("#")]
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
     copied = [src for kind, rest in DOCKER if kind == "COPY" and not rest.startswith("--from")
               for src in rest.split()[:-1]]
     assert copied
@@ -198,7 +198,8 @@ def _render(*args: str) -> subprocess.CompletedProcess:
 def _project_containers(out: Path) -> list[dict]:
     docs = [d for docs in render.load_dir(out).values() for d in docs]
     return [c for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")
-            for c in d["spec"]["template"]["spec"].get("initContainers", []) + d["spec"]["template"]["spec"]["containers"]
+            for c in (d["spec"]["template"]["spec"].get("initContainers", [])
+                      + d["spec"]["template"]["spec"]["containers"])
             if "etcd" not in c["image"]]
 
 

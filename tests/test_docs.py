@@ -18,7 +18,8 @@ def _blocks(text: str, lang: str = "bash") -> list[str]:
 
 
 def test_flag_reference_is_generated_from_the_config():
-    assert (REPO / "docs" / "flags.md").read_text() == flags_markdown(), "run: python -m elastic_mnist.config > docs/flags.md"
+    assert (REPO / "docs" / "flags.md").read_text() == flags_markdown(), (
+        "run: python -m elastic_mnist.config > docs/flags.md")
 
 
 def test_ci_runs_the_readmes_install_and_test_commands():

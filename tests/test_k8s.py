@@ -422,7 +422,8 @@ def test_cloud_variants_use_a_shared_storage_class_of_their_cloud(variant, varia
         run_as = pod_spec(trainer_job(docs))["securityContext"]
         # EFS ignores fsGroup: the access point must hand out the trainers' own uid/gid.
         assert sc["provisioner"] == "efs.csi.aws.com" and sc["parameters"]["provisioningMode"] == "efs-ap"
-        assert (sc["parameters"]["uid"], sc["parameters"]["gid"]) == (str(run_as["runAsUser"]), str(run_as["runAsGroup"]))
+        assert (sc["parameters"]["uid"], sc["parameters"]["gid"]) == (str(run_as["runAsUser"]),
+                                                                     str(run_as["runAsGroup"]))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -499,7 +500,7 @@ def test_network_policies_match_the_pods(variant, variants):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_services_select_pods_by_named_ports(variant, variants):
     docs = variants[variant]
-    pods = [w for w in workloads(docs)]
+    pods = list(workloads(docs))
     for svc in (d for d in docs if d["kind"] == "Service"):
         targets = [w for w in pods if selects(svc["spec"]["selector"], pod_labels(w))]
         assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} workloads"

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, worker_env
-from etcd_fixtures import etcd_server_auth  # noqa: F401  (a real etcd with authentication)
 
 from elastic_mnist.etcd.server import free_port
 from elastic_mnist.ops.preflight import PERMANENT, TRANSIENT, parse_launch, run_checks
@@ -143,7 +142,7 @@ def test_the_command_exits_with_the_permanent_code(tmp_path):
     assert [line for line in run.stdout.splitlines() if "FAILED" in line], run.stdout
 
 
-def test_user_and_password_in_rdzv_conf_work_as_in_torchrun(etcd_server_auth, small_mnist, tmp_path, capfd):  # noqa: F811
+def test_user_and_password_in_rdzv_conf_work_as_in_torchrun(etcd_server_auth, small_mnist, tmp_path, capfd):
     password = etcd_server_auth.credential_file("job-password").read_text().strip()
     launch = launch_for(etcd_server_auth.endpoint, small_mnist, tmp_path / "ckpt",
                         f"--rdzv-conf=join_timeout=600,user=elastic-mnist,password={password}")

@@ -143,7 +143,7 @@ def closed_address() -> str:
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        return "127.0.0.1:%d" % listener.getsockname()[1]
+        return f"127.0.0.1:{listener.getsockname()[1]}"
 
 
 # --- refused(): only a refusal counts ---------------------------------------------------------------
@@ -184,7 +184,7 @@ def test_a_timeout_is_no_proof_of_death() -> None:
     full.listen(0)
     filler = socket.create_connection(full.getsockname())  # the one connection a backlog of 0 admits
     try:
-        addresses = {"full": "127.0.0.1:%d" % full.getsockname()[1], "unroutable": "10.255.255.1:9",
+        addresses = {"full": f"127.0.0.1:{full.getsockname()[1]}", "unroutable": "10.255.255.1:9",
                      "closed": closed_address(), "garbage": "no-port"}
         started = time.monotonic()
         assert refused(addresses, timeout=0.5) == {"closed"}

@@ -217,7 +217,8 @@ def test_status_command_reads_credentials_and_secret_from_the_environment(tmp_pa
     env = child_env(ELASTIC_MNIST_ETCD_USER="elastic-mnist", ELASTIC_MNIST_RDZV_SECRET_FILE=str(tmp_path / "secret"),
                     ELASTIC_MNIST_ETCD_PASSWORD_FILE=str(auth_etcd.credential_file("job-password")))
     conn = {"user": "elastic-mnist", "password_file": env["ELASTIC_MNIST_ETCD_PASSWORD_FILE"]}
-    backend, _ = create_backend(rdzv_params(auth_etcd.endpoint, "watched", secret_file=str(tmp_path / "secret"), **conn))
+    backend, _ = create_backend(rdzv_params(auth_etcd.endpoint, "watched", secret_file=str(tmp_path / "secret"),
+                                            **conn))
     backend.set_state(state_bits(0))
     cmd = [sys.executable, "-m", "elastic_mnist", "status", "--rdzv-endpoint", auth_etcd.endpoint,
            "--rdzv-id", "watched"]

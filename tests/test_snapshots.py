@@ -54,8 +54,9 @@ def test_finished_jobs_leave_nothing_in_memory(tmp_path, small_mnist):
     shm = tmp_path / "shm"
     crashed = _run_dir(shm, "crashed-run", 1, age_s=2 * 3600)
     for i in range(3):
-        args = [f"--data-dir={small_mnist}", f"--checkpoint-dir={tmp_path / f'ckpt{i}'}", f"--log-dir={tmp_path / f'runs{i}'}",
-                "--max-steps=12", "--snapshot-every=5", f"--snapshot-dir={shm}", "--snapshot-max-age-h=1"]
+        args = [f"--data-dir={small_mnist}", f"--checkpoint-dir={tmp_path / f'ckpt{i}'}",
+                f"--log-dir={tmp_path / f'runs{i}'}", "--max-steps=12", "--snapshot-every=5", f"--snapshot-dir={shm}",
+                "--snapshot-max-age-h=1"]
         cmd = procs.torchrun_command(["--standalone", "--nproc-per-node=1", f"--rdzv-id=snap{i}"], args)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=procs.child_env(),
                                             cwd=REPO)

@@ -28,7 +28,8 @@ def test_two_workers_then_one_worker_resume_in_the_uninterrupted_order(small_mni
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     one = run_torchrun(["--standalone", "--nproc-per-node=1"], _train_args(small_mnist, tmp_path, "--max-steps", "15"))
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    assert "[resume] step 7 (epoch 0, position 7)" in one.stdout and "saved at world size 2; now world size 1" in one.stdout
+    assert ("[resume] step 7 (epoch 0, position 7)" in one.stdout
+            and "saved at world size 2; now world size 1" in one.stdout)
 
     records = read_records(str(tmp_path / "samples"))
     plan = BatchPlan(2000, 48, seed=0)

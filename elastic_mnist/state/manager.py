@@ -2,8 +2,8 @@
 
     python -m elastic_mnist.train --data-dir ../shared/data --checkpoint-dir ckpt --checkpoint-every 100
 
-Built once per (re)start by worker/train.py's build_trainer; the trainer asks it (`after_step`, `save_on_failure`, `finish`) and
-never assembles a checkpoint itself. It owns the durable writer (--checkpoint-dir), the in-memory
+Built once per (re)start by worker/train.py's build_trainer; the trainer asks it (`after_step`, `save_on_failure`,
+`finish`) and never assembles a checkpoint itself. It owns the durable writer (--checkpoint-dir), the in-memory
 snapshot writer (--snapshot-dir), the split-brain fence, the snapshots' origin and lifetime, the
 configuration fingerprint, and the save/restore of the registered state objects (state/registry.py:
 model, optimizer, RNG, progress). File format, verification and publishing live in state/format.py; the

@@ -80,7 +80,8 @@ class Adam:
         if grad.is_sparse:
             raise RuntimeError("Adam does not support sparse gradients; use torch.optim.SparseAdam")
         if torch.is_complex(p):
-            raise RuntimeError("elastic_mnist.worker.optim.Adam does not support complex parameters; use torch.optim.Adam")
+            raise RuntimeError("elastic_mnist.worker.optim.Adam does not support complex parameters; "
+                               "use torch.optim.Adam")
         state = self.state[p]
         if not state:
             # The step count lives on the CPU (as in torch when not capturable): reading it costs no device sync.

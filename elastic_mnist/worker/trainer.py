@@ -167,8 +167,8 @@ class Trainer:
     def _log_progress(self, step: int, epoch: int, loss: float) -> None:
         rate = self.throughput.rate()
         self.metrics.event(
-            "progress", f"[train] epoch {epoch + 1}/{self.config.epochs} step {step}/{self.total_steps} loss {loss:.4f} "
-            f"world {self.world_size} restart {self.env.restart_count} samples/s {rate:.0f}",
+            "progress", f"[train] epoch {epoch + 1}/{self.config.epochs} step {step}/{self.total_steps} "
+            f"loss {loss:.4f} world {self.world_size} restart {self.env.restart_count} samples/s {rate:.0f}",
             step=step, epoch=epoch, loss=loss, samples_per_s=rate)
         self.metrics.scalars(step, {
             "train/loss": loss, "train/lr": self.optimizer.param_groups[0]["lr"], "train/samples_per_s": rate,

@@ -24,7 +24,8 @@ BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set
 
 
 def run_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps: int = 90,
-              timeout: float = 240, backend: str = "etcd-v3", pace: float = 0.05) -> tuple[subprocess.CompletedProcess, dict]:
+              timeout: float = 240, backend: str = "etcd-v3",
+              pace: float = 0.05) -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", str(nodes), "--max-nodes", "3",
            "--rdzv-backend", backend,
            "--run-dir", str(run_dir), "--chaos", chaos, "--timeout", str(timeout - 30),
@@ -159,8 +160,9 @@ def test_sigterm_to_the_launcher_stops_everything(small_mnist, tmp_path):
 def test_an_agent_that_dies_on_its_own_is_restarted_and_rejoins(small_mnist, tmp_path):
     """Not an injected fault: the agent of n1 is SIGKILLed from outside, as an OOM killer would. The
     launcher starts it again (a kubelet restarting a container) and the job ends at world size 2."""
-    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--run-dir", str(tmp_path), "--timeout", "200",
-           "--data-dir", small_mnist, "--max-steps", "120", "--global-batch-size", str(BATCH), "--min-step-time", "0.1",
+    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--run-dir", str(tmp_path),
+           "--timeout", "200", "--data-dir", small_mnist, "--max-steps", "120", "--global-batch-size", str(BATCH),
+           "--min-step-time", "0.1",
            "--checkpoint-every", "10", "--log-every", "10", "--collective-timeout", "10"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=worker_env(), cwd=REPO)
@@ -191,8 +193,9 @@ def test_kill_join_term_matches_the_fault_free_run(mnist_root, tmp_path):
                            env=worker_env(), cwd=REPO)
     assert clean.returncode == 0, clean.stdout[-3000:]
     chaos = subprocess.run([sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--max-nodes", "3",
-                            "--run-dir", str(tmp_path / "chaos"), "--chaos", "kill:n1@step=40,join@step=80,term:n0@step=120",
-                            *common], capture_output=True, text=True, timeout=400, env=worker_env(), cwd=REPO)
+                            "--run-dir", str(tmp_path / "chaos"),
+                            "--chaos", "kill:n1@step=40,join@step=80,term:n0@step=120", *common],
+                           capture_output=True, text=True, timeout=400, env=worker_env(), cwd=REPO)
     assert chaos.returncode == 0, chaos.stdout[-3000:]
     report = json.loads((tmp_path / "chaos" / "report.json").read_text())
     base = json.loads((tmp_path / "clean" / "report.json").read_text())["summary"]
@@ -210,7 +213,8 @@ def test_kill_join_term_matches_the_fault_free_run(mnist_root, tmp_path):
 def test_your_own_model_survives_a_kill_like_the_mlp(small_mnist, tmp_path):
     """examples/cnn_mnist.py (a CNN through the Task API) under `elastic-mnist local --script`: a node is
     killed mid-run, the sample logs replay the plan and the model still learns."""
-    run, report = run_local(small_mnist, tmp_path, "kill:n1@step=25", "--script", str(REPO / "examples" / "cnn_mnist.py"))
+    run, report = run_local(small_mnist, tmp_path, "kill:n1@step=25",
+                            "--script", str(REPO / "examples" / "cnn_mnist.py"))
     assert_finished_clean(run, report, 90)
     (event,) = report["events"]
     assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("kill", 2, 1)

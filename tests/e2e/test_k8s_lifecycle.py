@@ -190,7 +190,7 @@ def exits_0_at_once_saying(pod: LocalPod, marker: str) -> None:
     for name in ("preflight", "trainer"):
         lines = pod.container_log(name)
         assert [marker in line for line in lines].count(True) == 1, pod.log()
-    assert pod.container_log("trainer") == [l for l in pod.container_log("trainer") if marker in l], pod.log()
+    assert pod.container_log("trainer") == [line for line in pod.container_log("trainer") if marker in line], pod.log()
 
 
 @pytest.mark.parametrize("variant", [render.DEFAULT_OVERLAY, "legacy-etcd"], ids=["k8s-default", "legacy-etcd"])
@@ -213,12 +213,12 @@ def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, sma
             start = time.monotonic()
             assert given_up.run(timeout=60) == (PERMANENT, "preflight"), given_up.log()
             assert time.monotonic() - start < 10, given_up.log()
-            (line,) = [l for l in given_up.container_log("preflight") if "FAILED" in l]
+            (line,) = [log_line for log_line in given_up.container_log("preflight") if "FAILED" in log_line]
             assert "is closed but the job did not finish" in line and "re-apply the Job" in line
             # The same from the trainer container alone (docker compose, a pod without the init step).
             direct = cluster.pod(0)
             assert direct.start_trainer().wait(60) == PERMANENT, direct.log()
-            assert len([l for l in direct.container_log("trainer") if "is closed" in l]) == 1, direct.log()
+            assert len([line for line in direct.container_log("trainer") if "is closed" in line]) == 1, direct.log()
             # A 5th node (a resize past --nnodes that the admission policy did not stop) fails the Job.
             fifth = cluster.pod(4)
             assert fifth.start_trainer().wait(60) == PERMANENT, fifth.log()
