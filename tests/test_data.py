@@ -1,6 +1,7 @@
 """The batch plan: the union of the ranks' shares is the uninterrupted global batch, for any world
 size and any resize point; each epoch covers every sample once (the dropped tail aside)."""
 
+import pytest
 import torch
 
 from elastic_mnist.data.mnist import BatchPlan, load_split, shard_bounds, write_synthetic_mnist
@@ -66,6 +67,7 @@ def test_generated_idx_files_load_through_torchvision(tmp_path):
     assert abs(train.images.mean().item()) < 2.0  # normalized with MNIST's mean/std
 
 
+@pytest.mark.vision
 def test_direct_idx_reader_matches_torchvision(tmp_path):
     from torchvision.datasets import MNIST
 

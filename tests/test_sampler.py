@@ -9,6 +9,8 @@ them; a resize mid-epoch continues with the next unseen samples.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -62,6 +64,7 @@ def steps(loader, memory) -> list[list[int]]:
     return seen
 
 
+@pytest.mark.vision
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_dataloader_yields_the_plans_indices_and_tensors(train, memory, world: int, workers: int) -> None:
@@ -76,6 +79,7 @@ def test_dataloader_yields_the_plans_indices_and_tensors(train, memory, world: i
         assert steps(loader, memory) == [plan.rank_indices(s, world, rank).tolist() for s in range(35, 40)]
 
 
+@pytest.mark.vision
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resize_mid_epoch_continues_with_the_next_unseen_samples(train, memory, workers: int) -> None:
     plan, k = BatchPlan(len(train), GLOBAL_BATCH, SEED), 7
@@ -143,7 +147,14 @@ def test_a_negative_step_or_worker_count_is_refused() -> None:
         build_loader(range(100), ElasticDistributedSampler(range(100), 3, 0, global_batch_size=10), -1)
 
 
+@pytest.mark.vision
 def test_missing_mnist_is_one_error_naming_the_fix(tmp_path) -> None:
     with pytest.raises(UserError, match=r"MNIST not found under .*MNIST/raw.*--data-dir"):
         mnist_datasets(str(tmp_path))
     assert list(tmp_path.iterdir()) == [], "nothing created where the data set was looked for"
+
+
+def test_the_dataloader_path_without_torchvision_is_one_error_naming_the_fix(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # what a torch-only install sees: ImportError
+    with pytest.raises(UserError, match=r"^--input dataloader needs torchvision.*elastic-mnist\[vision\]"):
+        mnist_datasets(str(tmp_path))

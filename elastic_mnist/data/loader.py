@@ -18,19 +18,18 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_mnist.data.mnist import MNIST_MEAN, MNIST_STD
+from elastic_mnist.data.mnist import MNIST_MEAN, MNIST_STD, torchvision
 from elastic_mnist.data.sampler import ElasticDistributedSampler
 from elastic_mnist.errors import UserError
 
 
 def mnist_dataset(root: str, train: bool, download: bool = False) -> Dataset:
     """torchvision's MNIST over root/MNIST/raw/*-ubyte (the layout `data.load_split` reads)."""
-    from torchvision import transforms  # imported here: ~1 s, paid only by the DataLoader path
-    from torchvision.datasets import MNIST
-
+    vision = torchvision("--input dataloader")  # imported here: ~1 s, paid only by the DataLoader path
+    transforms = vision.transforms
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
     try:
-        return MNIST(root=root, train=train, download=download, transform=transform)
+        return vision.datasets.MNIST(root=root, train=train, download=download, transform=transform)
     except RuntimeError as e:
         raise UserError(f"MNIST not found under {Path(root) / 'MNIST' / 'raw'} ({e}). Point --data-dir (or "
                         "$ELASTIC_MNIST_DATA_DIR) at a directory holding MNIST/raw/*-ubyte, or add --download"

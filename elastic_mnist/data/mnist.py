@@ -104,10 +104,19 @@ def _load_cached(raw: Path, paths: list[Path], train: bool, cache_dir: str | Pat
     return split
 
 
-def _load_with_torchvision(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from torchvision.datasets import MNIST
+def torchvision(what: str):
+    """The torchvision module, or one error line naming the fix (it is an extra: the default path does
+    not need it)."""
+    try:
+        import torchvision
+    except ImportError:
+        raise UserError(f"{what} needs torchvision, which is not installed: pip install 'elastic-mnist[vision]' "
+                        "(or the torchvision release that matches your torch)") from None
+    return torchvision
 
-    ds = MNIST(root=root, train=train, download=download)
+
+def _load_with_torchvision(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    ds = torchvision("--download").datasets.MNIST(root=root, train=train, download=download)
     return ds.data, ds.targets
 
 
