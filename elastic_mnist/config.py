@@ -23,6 +23,10 @@ from elastic_mnist.errors import UserError
 DATA_DIR_ENV = "ELASTIC_MNIST_DATA_DIR"
 
 
+# The default in-memory snapshot root: tmpfs, one per user ({uid} is filled in where it is used).
+SHM_SNAPSHOTS = "/dev/shm/elastic-mnist-{uid}"
+
+
 @dataclass
 class TrainConfig:
     """One elastic DDP worker training the MLP on MNIST; run it under torchrun (or alone for one process)."""
@@ -74,8 +78,8 @@ class TrainConfig:
     """shared: one --checkpoint-dir for all (rank 0 writes); local: each node's disk (peers send missing state)."""
     snapshot_every: int = 50
     """Snapshot the training state into --snapshot-dir every this many steps (0: off)."""
-    snapshot_dir: str = field(default_factory=lambda: "/dev/shm/elastic-mnist" if os.path.isdir("/dev/shm") else "")
-    """Memory that outlives the worker process (tmpfs), for in-memory snapshots; empty: off."""
+    snapshot_dir: str = field(default_factory=lambda: SHM_SNAPSHOTS if os.path.isdir("/dev/shm") else "")
+    """Memory that outlives the worker (tmpfs) for in-memory snapshots, private to its user ({uid}); empty: off."""
     snapshot_max_age_h: float = 6.0
     """At start, remove other runs' snapshots in --snapshot-dir not written for this many hours."""
     snapshot_cap_mb: int = 2048

@@ -7,7 +7,8 @@ import torch
 
 from elastic_mnist.errors import UserError
 from elastic_mnist.state import format as checkpoint
-from elastic_mnist.state.format import CheckpointError, CheckpointWriter
+from elastic_mnist.state.format import CheckpointError
+from elastic_mnist.state.writer import CheckpointWriter
 
 
 def _state(step: int) -> dict:

@@ -29,6 +29,7 @@ from elastic_mnist.local.live import LiveView
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import NODE_ENV, alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
+from elastic_mnist.state import snapshots
 
 POLL_S = 0.1
 
@@ -100,8 +101,8 @@ class Launcher:
         self.t0 = time.time()
         self.nodes_started_at = self.t0
         # Each simulated node's "RAM" for snapshots; removed at the end like a machine's memory.
-        self.shm_root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else args.run_dir, "elastic-mnist",
-                                     self.run_id)
+        shm = snapshots.root_of(TrainConfig().snapshot_dir) or os.path.join(args.run_dir, "shm")
+        self.shm_root = os.path.join(shm, f"local-{snapshots.run_name(self.run_id)}")
 
     def start_node(self) -> Node:
         name = f"n{len(self.nodes)}"

@@ -1,9 +1,11 @@
-"""Checkpoints: durable, verified, never overwritten, written in the background.
+"""The checkpoint file: header, checksum or keyed digest, encode and decode; durable no-clobber writes.
 
     python -c "from elastic_mnist.state.format import describe_latest; print(describe_latest('checkpoints'))"
 
-File `ckpt-{step:09d}.pt` = 8-byte magic, u32 format version, sha256 of the payload, then the payload
-(torch.save of a dict of tensors and plain values, loaded with weights_only=True). Written to a temp
+File `ckpt-{step:09d}.pt` = 8-byte magic, u32 format version, a 32-byte digest of the payload, then the
+payload (torch.save of a dict of tensors and plain values, loaded with weights_only=True). Version 1's
+digest is the payload's sha256; version 2's is an HMAC-SHA256 keyed with the job's secret, so a file
+planted by someone without the secret is refused before it is unpickled. Written to a temp
 file, fsynced, then published under its name without replacing an existing one (a hard link, or
 elastic_mnist.state.publish's fallback on filesystems without them): a name, once it exists, always holds a
 complete, verified file, and a late writer (a node that woke from a freeze) can never replace it.
@@ -13,12 +15,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import io
 import os
-import queue
 import re
 import struct
-import threading
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from elastic_mnist.state import publish
 
 MAGIC = b"EMNISTCK"
 FORMAT_VERSION = 1
+KEYED_VERSION = 2
 _HEADER = struct.Struct(">8sI32s")
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 
@@ -38,30 +40,57 @@ class CheckpointError(Exception):
     """A checkpoint file that is truncated, corrupt or not ours."""
 
 
-def encode(state: dict) -> bytes:
+def checkpoint_key(secret: bytes | None) -> bytes | None:
+    """The digest key of a job with a secret (derived, so it is never the key that seals the rendezvous)."""
+    return hmac.new(secret, b"elastic-mnist checkpoint digest", hashlib.sha256).digest() if secret else None
+
+
+def _digest(payload, key: bytes | None) -> bytes:
+    return hmac.new(key, payload, hashlib.sha256).digest() if key else hashlib.sha256(payload).digest()
+
+
+def encode(state: dict, key: bytes | None = None) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, hashlib.sha256(payload).digest()) + payload
+    return _HEADER.pack(MAGIC, KEYED_VERSION if key else FORMAT_VERSION, _digest(payload, key)) + payload
 
 
 def digest_of(blob: bytes) -> str:
-    """The payload checksum stored in the header: identifies a state without decoding it."""
+    """The payload digest stored in the header: identifies a state without decoding it."""
     return blob[_HEADER.size - 32:_HEADER.size].hex()
 
 
-def decode(blob: bytes, name: str = "checkpoint") -> dict:
+def verified_payload(blob: bytes, name: str = "checkpoint", key: bytes | None = None) -> memoryview:
+    """The payload of a blob whose header and digest check out (nothing is unpickled here)."""
     if len(blob) < _HEADER.size:
         raise CheckpointError(f"{name}: truncated ({len(blob)} bytes)")
     magic, version, digest = _HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CheckpointError(f"{name}: not an elastic-mnist checkpoint")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{name}: format version {version}, this code reads {FORMAT_VERSION}")
+    if version not in (FORMAT_VERSION, KEYED_VERSION):
+        raise CheckpointError(f"{name}: format version {version}, this code reads {FORMAT_VERSION} and {KEYED_VERSION}")
+    if (version == KEYED_VERSION) != (key is not None):
+        raise CheckpointError(f"{name}: " + ("keyed with a job secret, and this job has none" if key is None else
+                                              "not keyed with this job's secret (planted, or from a job without one)"))
     payload = memoryview(blob)[_HEADER.size:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"{name}: checksum mismatch (truncated or corrupt)")
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    if not hmac.compare_digest(_digest(payload, key), digest):
+        raise CheckpointError(f"{name}: " + ("digest mismatch (corrupt, or keyed with another secret)" if key else
+                                              "checksum mismatch (truncated or corrupt)"))
+    return payload
+
+
+def decode(blob: bytes, name: str = "checkpoint", key: bytes | None = None) -> dict:
+    payload = verified_payload(blob, name, key)
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the loader refuses (a class off its allow-list, a bad
+        # archive, ...) makes this file unusable, like a truncated one: skipped, never fatal
+        raise CheckpointError(f"{name}: refused by torch.load(weights_only=True): {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{name}: not a training state (no integer step)")
+    return state
 
 
 def path_for(directory: str, step: int) -> str:
@@ -90,21 +119,22 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     return files.write_then(path, data, 0o644, lambda tmp, final: publish.publish(tmp, final, replace))
 
 
-def iter_valid(directory: str, warn: Callable[[str], None] = print):
+def iter_valid(directory: str, warn: Callable[[str], None] = print, key: bytes | None = None):
     """(step, path, blob, state) of each checkpoint that verifies, newest first; a damaged one is
     skipped with a warning naming it (and kept on disk)."""
     for step, path in list_checkpoints(directory):
         try:
             with open(path, "rb") as f:
                 blob = f.read()
-            yield step, path, blob, decode(blob, path)
-        except (CheckpointError, OSError, RuntimeError) as e:
+            yield step, path, blob, decode(blob, path, key)
+        except (CheckpointError, OSError) as e:
             warn(f"warning: skipping checkpoint {path}: {e}")
 
 
-def load_latest(directory: str, warn: Callable[[str], None] = print) -> tuple[dict, str] | None:
+def load_latest(directory: str, warn: Callable[[str], None] = print,
+                key: bytes | None = None) -> tuple[dict, str] | None:
     """The newest checkpoint that verifies."""
-    for _, path, _, state in iter_valid(directory, warn):
+    for _, path, _, state in iter_valid(directory, warn, key):
         return state, path
     return None
 
@@ -143,76 +173,11 @@ def ensure_writable(directory: str) -> str:
     return publish.method_of(directory)
 
 
-def prune(directory: str, keep: int) -> list[str]:
-    removed = []
-    for _, path in list_checkpoints(directory)[keep:]:
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:  # another writer pruned it first
-            pass
-    return removed
-
-
-def describe_latest(directory: str) -> dict | None:
+def describe_latest(directory: str, key: bytes | None = None) -> dict | None:
     """Step, epoch, path and age of the newest valid checkpoint (for `status` and reports)."""
-    found = load_latest(directory, warn=lambda _msg: None)
+    found = load_latest(directory, warn=lambda _msg: None, key=key)
     if found is None:
         return None
     state, path = found
     return {"path": path, "step": state["step"], "epoch": state["epoch"], "world_size": state["world_size"],
             "saved_at": state["saved_at"], "age_s": round(time.time() - state["saved_at"], 1)}
-
-
-class CheckpointWriter:
-    """A writer thread: at most one write in flight; the caller blocks only to snapshot the state.
-
-    The thread is started once and fed through a queue: starting a thread per save made the training
-    thread wait for the GIL while the new thread began pickling (milliseconds on a busy machine).
-    """
-
-    def __init__(self, directory: str, keep: int):
-        self.directory, self.keep = directory, keep
-        self.saved = self.skipped = 0
-        self.block_ms: list[float] = []
-        self.last_path = ""
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._idle = threading.Event()
-        self._idle.set()
-        self._error: BaseException | None = None
-        # Started now, not at the first save: a thread start on the training thread blocked it ~10 ms.
-        self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-writer")
-        self._thread.start()
-
-    def save(self, state: dict, step: int, block: bool = False) -> None:
-        """state must already be a snapshot (CPU copies): training goes on while the thread writes."""
-        self.wait()
-        self._idle.clear()
-        self._queue.put((state, step))
-        if block:
-            self.wait()
-
-    def _run(self) -> None:
-        while True:
-            state, step = self._queue.get()
-            try:
-                self._write(state, step)
-            except BaseException as e:  # surfaced on the training thread by wait()
-                self._error = e
-            finally:
-                self._idle.set()
-
-    def _write(self, state: dict, step: int) -> None:
-        path = path_for(self.directory, step)
-        if write_durable(path, encode(state)):
-            self.saved += 1
-            self.last_path = path
-            prune(self.directory, self.keep)
-        else:
-            self.skipped += 1
-
-    def wait(self) -> None:
-        self._idle.wait()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error

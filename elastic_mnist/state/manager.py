@@ -22,24 +22,27 @@ from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sync as state_sync
-from elastic_mnist.state.format import CheckpointWriter
 from elastic_mnist.state.registry import Progress, Stateful, clone_tree, cpu_snapshot, leaves, load_into
+from elastic_mnist.state.snapshotter import Snapshotter
+from elastic_mnist.state.writer import CheckpointWriter
 
 # The objects whose device tensors a failure save takes from the last confirmed step (see confirm_step).
 _ON_DEVICE = ("model", "optimizer")
+# A temp file in the checkpoint dir younger than this may be another writer's save in progress.
+_LIVE_TEMP_S = 600.0
 
 
 class CheckpointManager:
-    def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict):
-        self.config, self.env, self.metrics, self.fingerprint = config, env, metrics, fingerprint
+    def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict,
+                 key: bytes | None = None):
+        self.config, self.env, self.metrics, self.fingerprint, self.key = config, env, metrics, fingerprint, key
         # Shared storage: global rank 0 writes. Node-local storage: every rank keeps its own copy.
         self.writes = env.rank == 0 or config.checkpoint_storage == "local"
         self.snapshot = snapshots.place(config.snapshot_dir, env.run_id, env.local_rank, config.checkpoint_dir,
                                         enabled=env.launched and config.snapshot_every > 0)
-        self.writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints) if self.writes else None
-        self.snapshots = CheckpointWriter(self.snapshot.directory, keep=2) if self.snapshot.directory else None
+        self.writer = self._durable_writer() if self.writes else None
+        self.snapshots = Snapshotter(config.snapshot_dir, self.snapshot, key, metrics)
         self._token = ""
-        self.snapshot_block_ms: list[float] = []
         self.objects: dict[str, Stateful] = {}
         self.progress = Progress()
         self.steps_per_epoch = 1
@@ -78,8 +81,8 @@ class CheckpointManager:
         try:
             if self.writes:
                 checkpoint.ensure_writable(config.checkpoint_dir)
-            mine = state_sync.best_local(config.checkpoint_dir, self.snapshot.directory, self.snapshot.origin,
-                                         self.metrics.warn)
+            mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
+                                         self.metrics.warn, self.key)
         except UserError as e:
             error = str(e)
         state_sync.agree_errors(error, env.world_size)
@@ -87,7 +90,7 @@ class CheckpointManager:
         if chosen is None:
             return None, ""
         # Decoded once: a local state when it was verified; what a peer sent, here (its checksum too).
-        state = chosen.state if chosen.state is not None else checkpoint.decode(chosen.blob, chosen.source)
+        state = chosen.state if chosen.state is not None else checkpoint.decode(chosen.blob, chosen.source, self.key)
         checkpoint.check_compatible(state, self.fingerprint, chosen.source)
         if self.writes:
             state_sync.keep_durable_copy(chosen, config.checkpoint_dir)
@@ -97,9 +100,11 @@ class CheckpointManager:
         return state, chosen.source
 
     def _sweep_snapshots(self) -> None:
-        if not self.snapshot.directory:
+        if self.writes:  # temp files of writers killed mid-write (the age leaves a live writer's alone)
+            snapshots.sweep_temps(self.config.checkpoint_dir, min_age_s=_LIVE_TEMP_S)
+        if not self.snapshots.readable:
             return
-        removed = snapshots.sweep(self.config.snapshot_dir, self.snapshot.run_root,
+        removed = snapshots.sweep(snapshots.root_of(self.config.snapshot_dir), self.snapshot.run_root,
                                   self.config.snapshot_max_age_h * 3600, self.config.snapshot_cap_mb * 2**20)
         if removed:
             self.metrics.event("snapshots_swept", f"[snapshots] removed {len(removed)} stale snapshot dir(s) of other "
@@ -139,10 +144,9 @@ class CheckpointManager:
         must stop at the next agreement without writing)."""
         step, cfg = self.progress.step, self.config
         checkpoint_due = epoch_end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-        if self.snapshots is not None and step % cfg.snapshot_every == 0 and not checkpoint_due:
-            t0 = time.perf_counter()  # a checkpoint of the same step would make the snapshot redundant
-            self.snapshots.save(self.capture(), step)
-            self.snapshot_block_ms.append((time.perf_counter() - t0) * 1000)
+        if cfg.snapshot_every and step % cfg.snapshot_every == 0 and not checkpoint_due:
+            # (a checkpoint of the same step would make the snapshot redundant)
+            self.snapshots.take(self.capture, step, self._state_bytes)
         if self.writer is None or not checkpoint_due:
             return False
         if self._token and not fence.generation_is(cfg.checkpoint_dir, self._token):
@@ -168,7 +172,7 @@ class CheckpointManager:
                 self.writer.wait()
             except RuntimeError as e:
                 self.metrics.warn(f"in-flight checkpoint write failed: {e}")
-        writer = self.writer or CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints)
+        writer = self.writer or self._durable_writer()
         state = self.capture(confirmed=True)
         writer.save(state, state["step"], block=True)
         return writer.last_path or "already saved by another survivor"
@@ -189,13 +193,21 @@ class CheckpointManager:
                 "step": summary["global_step"], "total_steps": summary["total_steps"],
                 "test_accuracy": summary["test_accuracy"], "run_id": self.env.run_id, "time": time.time()})
         self.close()
-        snapshots.remove_own(self.snapshot)
+        self.snapshots.remove()
 
     def close(self) -> None:
         """Wait for writes in flight (safe to repeat)."""
-        for w in (self.writer, self.snapshots):
-            if w is not None:
-                w.wait()
+        if self.writer is not None:
+            self.writer.wait()
+        self.snapshots.close()
+
+    def _durable_writer(self) -> CheckpointWriter:
+        return CheckpointWriter(self.config.checkpoint_dir, self.config.keep_checkpoints, self.key,
+                                warn=self.metrics.warn)
+
+    def _state_bytes(self) -> int:
+        """What the device state of a snapshot weighs (before the first one says it exactly)."""
+        return sum(t.numel() * t.element_size() for t in leaves({n: self.objects[n].state_dict() for n in _ON_DEVICE}))
 
     def stats(self) -> dict:
         block = self.writer.block_ms if self.writer else []
@@ -204,6 +216,6 @@ class CheckpointManager:
             "checkpoint_block_ms_mean": sum(block) / len(block) if block else 0.0,
             "checkpoint_block_ms_p50": percentile(block, 50), "checkpoint_block_ms_p95": percentile(block, 95),
             "checkpoint_block_ms_max": max(block) if block else 0.0,
-            "snapshots_taken": len(self.snapshot_block_ms),
-            "snapshot_block_ms_p50": percentile(self.snapshot_block_ms, 50),
+            "snapshots_taken": len(self.snapshots.block_ms),
+            "snapshot_block_ms_p50": percentile(self.snapshots.block_ms, 50),
         }

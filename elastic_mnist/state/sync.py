@@ -38,9 +38,10 @@ class Candidate:
         return checkpoint.digest_of(self.blob)
 
 
-def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | None = None) -> Candidate | None:
+def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | None = None,
+                 key: bytes | None = None) -> Candidate | None:
     """The newest file in `directory` that verifies (and, for snapshots, belongs to this job)."""
-    for step, path, blob, state in checkpoint.iter_valid(directory, warn):
+    for step, path, blob, state in checkpoint.iter_valid(directory, warn, key):
         if origin is not None and state.get("origin") != origin:
             warn(f"warning: ignoring snapshot {path}: it belongs to another job ({state.get('origin')})")
             continue
@@ -48,9 +49,10 @@ def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | Non
     return None
 
 
-def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn) -> Candidate | None:
-    found = [c for c in (newest_valid(checkpoint_dir, warn), newest_valid(snapshot_dir, warn, origin) if
-                         snapshot_dir else None) if c is not None]
+def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn,
+               key: bytes | None = None) -> Candidate | None:
+    found = [c for c in (newest_valid(checkpoint_dir, warn, key=key),
+                         newest_valid(snapshot_dir, warn, origin, key) if snapshot_dir else None) if c is not None]
     return max(found, key=lambda c: c.step, default=None)
 
 

@@ -51,7 +51,7 @@ def test_all_nodes_die_then_the_job_resumes_from_what_any_disk_kept(small_mnist,
 
 
 def test_a_stale_snapshot_from_an_earlier_run_is_ignored(tmp_path):
-    from elastic_mnist.state.format import CheckpointWriter
+    from elastic_mnist.state.writer import CheckpointWriter
     from elastic_mnist.state.sync import best_local
 
     ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"

@@ -1,0 +1,150 @@
+"""Writing checkpoints: one background thread, verified publishing, and a prune that trusts only content.
+
+    python -c "from elastic_mnist.state.writer import prune; print(prune('checkpoints', keep=3))"
+
+A save publishes its file under its step's name (never replacing a file another writer completed), reads
+it back and verifies it, and only then prunes. The prune keeps the newest `keep` files that verify and
+always the file this writer wrote last; a file that does not verify never takes a keep slot: it is moved
+aside into `corrupt/` (kept, reported once), never deleted. A file that does not verify under the name a
+save needs is moved aside too, so it cannot block a good save of that step.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+from elastic_mnist.state.format import (
+    CheckpointError,
+    encode,
+    list_checkpoints,
+    path_for,
+    verified_payload,
+    write_durable,
+)
+
+CORRUPT_DIR = "corrupt"
+
+
+class Verifier:
+    """Which checkpoint files verify (header and digest), each file read once: (inode, size, mtime) name
+    its content, so a file replaced under the same name is read again."""
+
+    def __init__(self, key: bytes | None = None, warn: Callable[[str], None] = print):
+        self.key, self.warn = key, warn
+        self._known: dict[tuple, str | None] = {}
+
+    def problem(self, path: str) -> str | None:
+        """None when path verifies, else why not."""
+        try:
+            st = os.stat(path)
+            ident = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+            if ident not in self._known:
+                with open(path, "rb") as f:
+                    verified_payload(f.read(), path, self.key)
+                self._known[ident] = None
+            return self._known[ident]
+        except (CheckpointError, OSError) as e:
+            return str(e)
+
+    def set_aside(self, path: str, problem: str) -> None:
+        """Move a file that does not verify into corrupt/ (kept for whoever wants to look at it)."""
+        aside = os.path.join(os.path.dirname(path), CORRUPT_DIR)
+        os.makedirs(aside, exist_ok=True)
+        target = os.path.join(aside, os.path.basename(path))
+        if os.path.lexists(target):
+            target += f".{os.getpid()}-{os.urandom(3).hex()}"
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:  # another writer moved it first
+            return
+        self.warn(f"warning: {path} does not verify ({problem}); moved aside to {target} (it takes no place "
+                  "among the checkpoints kept)")
+
+
+def prune(directory: str, keep: int, protect: str = "", verifier: Verifier | None = None) -> list[str]:
+    """Delete all but the newest `keep` verified checkpoints (and `protect`); move aside what does not
+    verify. Returns the deleted paths."""
+    verifier = verifier or Verifier()
+    kept, removed = 0, []
+    for _, path in list_checkpoints(directory):
+        problem = None if path == protect else verifier.problem(path)
+        if problem is not None:
+            verifier.set_aside(path, problem)
+        elif kept < keep or path == protect:
+            kept += 1
+        else:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:  # another writer pruned it first
+                pass
+    return removed
+
+
+class CheckpointWriter:
+    """A writer thread: at most one write in flight; the caller blocks only to snapshot the state.
+
+    The thread is started once and fed through a queue: starting a thread per save made the training
+    thread wait for the GIL while the new thread began pickling (milliseconds on a busy machine). With
+    `best_effort` (in-memory snapshots) a failed write is kept in `failure` instead of raised: the caller
+    decides what a failure means."""
+
+    def __init__(self, directory: str, keep: int, key: bytes | None = None, best_effort: bool = False,
+                 warn: Callable[[str], None] = print):
+        self.directory, self.keep, self.key, self.best_effort = directory, keep, key, best_effort
+        self.verifier = Verifier(key, warn)
+        self.saved = self.skipped = 0
+        self.block_ms: list[float] = []
+        self.last_path, self.last_size = "", 0
+        self.failure: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        # Started now, not at the first save: a thread start on the training thread blocked it ~10 ms.
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-writer")
+        self._thread.start()
+
+    def save(self, state: dict, step: int, block: bool = False) -> None:
+        """state must already be a snapshot (CPU copies): training goes on while the thread writes."""
+        self.wait()
+        self._idle.clear()
+        self._queue.put((state, step))
+        if block:
+            self.wait()
+
+    def _run(self) -> None:
+        while True:
+            state, step = self._queue.get()
+            try:
+                self._write(state, step)
+            except BaseException as e:  # surfaced on the training thread by wait()
+                self.failure = e
+            finally:
+                self._idle.set()
+
+    def _write(self, state: dict, step: int) -> None:
+        path, blob = path_for(self.directory, step), encode(state, self.key)
+        if not write_durable(path, blob):
+            problem = self.verifier.problem(path)
+            if problem is None:  # another writer (a survivor, an older group) saved this step first
+                self.skipped += 1
+                return
+            self.verifier.set_aside(path, problem)
+            if not write_durable(path, blob):
+                self.skipped += 1
+                return
+        problem = self.verifier.problem(path)  # read back: what the storage returns, not what we sent
+        if problem is not None:
+            raise CheckpointError(f"{path} did not verify after it was written: {problem}")
+        self.saved += 1
+        self.last_path, self.last_size = path, len(blob)
+        prune(self.directory, self.keep, protect=path, verifier=self.verifier)
+
+    def wait(self) -> None:
+        self._idle.wait()
+        if self.failure is not None and not self.best_effort:
+            error, self.failure = self.failure, None
+            raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error
