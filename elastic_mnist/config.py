@@ -14,6 +14,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -92,6 +93,7 @@ class TrainConfig:
     """Pace training to at least this many seconds per step (demos and fault-injection tests)."""
 
     def validate(self) -> None:
+        self._check_finite()
         if self.epochs <= 0:
             raise UserError(f"--epochs must be positive, got {self.epochs}")
         if self.global_batch_size <= 0:
@@ -122,6 +124,14 @@ class TrainConfig:
             raise UserError(f"--snapshot-every must be >= 0 (0 = off), got {self.snapshot_every}")
         if self.log_every < 1 or self.min_step_time < 0:
             raise UserError("--log-every must be >= 1 and --min-step-time >= 0")
+
+    def _check_finite(self) -> None:
+        """Every float flag at once: the range checks below (`<= 0`) let nan and inf through."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{flag_name(f.name)} must be a finite number, got {value}; "
+                                f"give a number such as the default {getattr(type(self)(), f.name)!r}")
 
     def check_world_size(self, world_size: int) -> None:
         if self.global_batch_size < world_size:

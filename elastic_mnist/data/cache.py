@@ -92,8 +92,8 @@ def open_cached(path: Path, raw_paths: list[Path], mean: float, std: float):
         labels = np.memmap(path, np.int64, "c", HEADER_BYTES + image_bytes, (n,))
         if not _matches_raw(images, labels, raw_paths, mean, std):
             return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable or garbage: rebuilt by the caller
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # unreadable or garbage (a header that is JSON but no object included): rebuilt by the caller
     return torch.from_numpy(images), torch.from_numpy(labels)
 
 

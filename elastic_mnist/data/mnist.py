@@ -12,6 +12,7 @@ size alike; each epoch's permutation differs, so no sample is dropped every epoc
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ RAW_FILES = {
     (False, "images"): "t10k-images-idx3-ubyte",
     (False, "labels"): "t10k-labels-idx1-ubyte",
 }
+BAD_FILE_FIX = "re-download MNIST or point --data-dir at a good copy"
 
 
 @dataclass
@@ -69,7 +71,9 @@ def load_split(root: str, train: bool, download: bool = False, cache_dir: str | 
     raw = Path(root) / "MNIST" / "raw"
     paths = [raw / RAW_FILES[(train, kind)] for kind in ("images", "labels")]
     try:
-        if all(p.is_file() for p in paths):
+        # exists, not is_file: a directory in a file's place is a bad file (read_idx names it), not a
+        # missing data set to fetch with torchvision.
+        if all(p.exists() for p in paths):
             return _load_cached(raw, paths, train, cache_dir)
         images, labels = _load_with_torchvision(root, train, download)
     except RuntimeError as e:
@@ -94,9 +98,7 @@ def _load_cached(raw: Path, paths: list[Path], train: bool, cache_dir: str | Pat
         hit = mnist_cache.open_cached(place / name, paths, MNIST_MEAN, MNIST_STD)
         if hit is not None:
             return Split(*hit)
-    images, labels = read_idx(paths[0]), read_idx(paths[1])
-    if len(images) != len(labels):
-        raise ValueError(f"{paths[0].name} holds {len(images)} images but {paths[1].name} {len(labels)} labels")
+    images, labels = read_split(paths)  # before any write: a bad file never becomes a cache
     split = Split(normalize(images.reshape(len(images), -1)), labels.long())
     for place in places:  # the first writable place wins; none writable: no cache, same tensors
         if mnist_cache.write_cache(place, name, split.images, split.labels, paths) is not None:
@@ -120,18 +122,46 @@ def _load_with_torchvision(root: str, train: bool, download: bool) -> tuple[torc
     return ds.data, ds.targets
 
 
+def bad_file(path: Path, what: str) -> UserError:
+    """The one line for a malformed MNIST file, the same for the worker and preflight."""
+    return UserError(f"MNIST file {path} {what}; {BAD_FILE_FIX}")
+
+
 def read_idx(path: Path) -> torch.Tensor:
-    """An unsigned-byte IDX file (MNIST's format) as a uint8 tensor."""
-    blob = path.read_bytes()
+    """An unsigned-byte IDX file (MNIST's format) as a uint8 tensor; anything else is a UserError naming it."""
+    try:
+        blob = path.read_bytes()
+    except OSError as e:  # a directory in its place, no read permission, an I/O error
+        raise bad_file(path, f"cannot be read ({e.strerror or e})") from None
+    if len(blob) < 4:
+        raise bad_file(path, f"cannot be decoded: it is {len(blob)} bytes, shorter than an IDX header (truncated?)")
     magic, = struct.unpack_from(">I", blob)
     if magic >> 8 != 0x08:
-        raise ValueError(f"{path.name} is not an unsigned-byte IDX file (magic {magic:#x})")
+        raise bad_file(path, f"cannot be decoded: not an unsigned-byte IDX file (magic {magic:#x})")
+    offset = 4 + 4 * (magic & 0xFF)
+    if len(blob) < offset:  # the dimension count promises more header than there is
+        raise bad_file(path, f"cannot be decoded: it is {len(blob)} bytes, its header needs {offset} (truncated?)")
     dims = struct.unpack_from(f">{magic & 0xFF}I", blob, 4)
-    offset = 4 + 4 * len(dims)
-    expected = offset + int(torch.tensor(dims).prod())
+    expected = offset + math.prod(dims)
     if len(blob) != expected:
-        raise ValueError(f"{path.name} is {len(blob)} bytes, its header says {expected} (truncated?)")
+        raise bad_file(path, f"cannot be decoded: it is {len(blob)} bytes, its header says {expected} (truncated?)")
+    if expected == offset:  # no samples: frombuffer refuses an empty buffer; read_split names the problem
+        return torch.empty(dims, dtype=torch.uint8)
     return torch.frombuffer(bytearray(blob[offset:]), dtype=torch.uint8).reshape(dims)
+
+
+def read_split(paths: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One split's (images [N, 28, 28], labels [N]) uint8, each file checked alone and against the other,
+    so a bad file fails here with its name rather than as a shape error deep in training."""
+    images, labels = read_idx(paths[0]), read_idx(paths[1])
+    if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) or len(images) == 0:
+        raise bad_file(paths[0], f"holds images of shape {list(images.shape)}, not [N > 0, 28, 28]")
+    if labels.dim() != 1 or len(labels) != len(images):
+        raise bad_file(paths[1], f"holds labels of shape {list(labels.shape)}, not [{len(images)}] "
+                                 f"(one per image in {paths[0].name})")
+    if int(labels.max()) > 9:  # past the model's 10 classes: the loss would fail mid-step
+        raise bad_file(paths[1], f"holds label {int(labels.max())}; MNIST's labels are 0-9")
+    return images, labels
 
 
 def write_synthetic_mnist(root: str | Path, n_train: int = 6000, n_test: int = 1000, seed: int = 0) -> Path:

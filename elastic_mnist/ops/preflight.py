@@ -112,24 +112,22 @@ def closed_line(launch: Launch) -> str | None:
 
 
 def check_data(config) -> str:
-    from elastic_mnist.data.mnist import RAW_FILES, read_idx
+    """The worker's own decode and checks (read_split), so preflight and training agree on a bad file."""
+    from elastic_mnist.data.mnist import RAW_FILES, read_split
 
     raw = Path(config.data_dir) / "MNIST" / "raw"
     counts = {}
-    for (train, kind), name in RAW_FILES.items():
-        path = raw / name
-        if not path.is_file():
-            raise Permanent(f"MNIST file {path} is missing; copy MNIST/raw/*-ubyte under --data-dir "
-                            "(docs/kubernetes.md: data), or use the download-mnist variant")
-        try:
-            counts[(train, kind)] = read_idx(path).shape
-        except (OSError, ValueError, RuntimeError) as e:
-            raise Permanent(f"MNIST file {path} cannot be decoded ({e}); copy it again") from None
     for train in (True, False):
-        images, labels = counts[(train, "images")], counts[(train, "labels")]
-        if images[0] != labels[0] or tuple(images[1:]) != (28, 28):
-            raise Permanent(f"MNIST under {raw}: {images} images vs {labels} labels; copy the files again")
-    return f"{raw}: {counts[(True, 'labels')][0]} train, {counts[(False, 'labels')][0]} test images"
+        paths = [raw / RAW_FILES[(train, kind)] for kind in ("images", "labels")]
+        for path in paths:
+            if not path.exists():
+                raise Permanent(f"MNIST file {path} is missing; copy MNIST/raw/*-ubyte under --data-dir "
+                                "(docs/kubernetes.md: data), or use the download-mnist variant")
+        try:
+            counts[train] = len(read_split(paths)[1])
+        except UserError as e:
+            raise Permanent(str(e)) from None
+    return f"{raw}: {counts[True]} train, {counts[False]} test images"
 
 
 def check_checkpoints(config) -> str:
