@@ -77,7 +77,8 @@ def test_a_resume_loads_one_progress_in_place_from_one_decode(tmp_path, monkeypa
     _trainer(tmp_path).train()
     decodes = []
     original = checkpoint.decode
-    monkeypatch.setattr(checkpoint, "decode", lambda blob, name="", key=None: decodes.append(name) or original(blob, name, key))
+    monkeypatch.setattr(checkpoint, "decode",
+                        lambda blob, name="", key=None: decodes.append(name) or original(blob, name, key))
     resumed = _trainer(tmp_path)
     assert resumed.progress is resumed.checkpoints.progress and resumed.progress.step == 40
     assert resumed.progress.resumes == 1 and resumed.progress.last_eval["step"] == 40

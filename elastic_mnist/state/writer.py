@@ -16,21 +16,14 @@ import queue
 import threading
 from collections.abc import Callable
 
-from elastic_mnist.state.format import (
-    CheckpointError,
-    encode,
-    list_checkpoints,
-    path_for,
-    verified_payload,
-    write_durable,
-)
+from elastic_mnist.state.format import CheckpointError, decode, encode, list_checkpoints, path_for, write_durable
 
 CORRUPT_DIR = "corrupt"
 
 
 class Verifier:
-    """Which checkpoint files verify (header and digest), each file read once: (inode, size, mtime) name
-    its content, so a file replaced under the same name is read again."""
+    """Which checkpoint files verify (header, digest, and a state the loader accepts), each file read once:
+    (inode, size, mtime) name its content, so a file replaced under the same name is read again."""
 
     def __init__(self, key: bytes | None = None, warn: Callable[[str], None] = print):
         self.key, self.warn = key, warn
@@ -43,7 +36,7 @@ class Verifier:
             ident = (path, st.st_ino, st.st_size, st.st_mtime_ns)
             if ident not in self._known:
                 with open(path, "rb") as f:
-                    verified_payload(f.read(), path, self.key)
+                    decode(f.read(), path, self.key)
                 self._known[ident] = None
             return self._known[ident]
         except (CheckpointError, OSError) as e:

@@ -51,8 +51,8 @@ def test_all_nodes_die_then_the_job_resumes_from_what_any_disk_kept(small_mnist,
 
 
 def test_a_stale_snapshot_from_an_earlier_run_is_ignored(tmp_path):
-    from elastic_mnist.state.writer import CheckpointWriter
     from elastic_mnist.state.sync import best_local
+    from elastic_mnist.state.writer import CheckpointWriter
 
     ckpt, shm = tmp_path / "ckpt", tmp_path / "shm"
     CheckpointWriter(str(ckpt), 3).save({"step": 10, "origin": {}}, 10, block=True)

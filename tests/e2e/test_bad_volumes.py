@@ -1,0 +1,54 @@
+"""Bad volumes with real torchrun workers: a snapshot directory on a full tmpfs, and a checkpoint
+directory where the files named newest are unreadable or refused by the loader."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from conftest import run_torchrun
+from test_bad_volume import Planted
+from volumes import tiny_tmpfs
+
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.writer import CORRUPT_DIR
+from tests.e2e.test_chaos import assert_replays_plan, run_local
+
+
+def _args(data: str, tmp, *extra: str) -> list[str]:
+    return ["--data-dir", data, "--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "runs"),
+            "--global-batch-size", "32", "--checkpoint-every", "50", "--keep-checkpoints", "3", *extra]
+
+
+def test_refused_and_corrupt_files_named_newest_cost_nothing(small_mnist, tmp_path):
+    """Five unreadable files and one the loader refuses, all named newer than the good checkpoints: both
+    ranks resume from the newest good one at once (no agreement left waiting), and the run's own
+    checkpoints are the ones kept."""
+    first = run_torchrun(["--standalone", "--nproc-per-node=2"], _args(small_mnist, tmp_path, "--max-steps", "200"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    for step in range(900, 905):
+        (tmp_path / "ckpt" / f"ckpt-{step:09d}.pt").write_bytes(b"EMNISTCK" + os.urandom(4000))
+    (tmp_path / "ckpt" / "ckpt-000000910.pt").write_bytes(checkpoint.encode({"step": 910, "p": Planted()}))
+    t0 = time.monotonic()
+    second = run_torchrun(["--standalone", "--nproc-per-node=2"], _args(small_mnist, tmp_path, "--max-steps", "400"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "[resume] step 200 " in second.stdout and "Traceback" not in second.stderr
+    assert time.monotonic() - t0 < 60, "no rank waited out a collective timeout"
+    kept = [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))]
+    assert len(kept) == 3 and kept[0] == 400 and min(kept) > 200, f"the run's own newest three: {kept}"
+    assert len(os.listdir(tmp_path / "ckpt" / CORRUPT_DIR)) == 6, "unusable files moved aside, kept"
+
+
+def test_a_full_snapshot_tmpfs_costs_at_most_a_step(small_mnist, tmp_path):
+    """Snapshots on a 3 MiB tmpfs (the MLP's state is ~4.9 MB): each worker turns them off with one line,
+    the job trains through a kill on durable checkpoints, nothing is left in the tmpfs."""
+    with tiny_tmpfs(tmp_path / "shm", 3 * 1024) as shm:
+        report = run_local(small_mnist, tmp_path / "run", "kill:n1@step=40", "--snapshot-dir", str(shm),
+                           "--snapshot-every", "5", steps=90)
+        left = [f for _, _, files in os.walk(shm) for f in files if not f.startswith(".live")]
+    (event,) = report["events"]
+    assert event["kind"] == "kill" and event["steps_redone"] <= 1
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "nodes").glob("*.log"))
+    assert "Traceback" not in logs and "snapshots off on this worker" in logs
+    assert left == [], f"temp or snapshot files left in the tmpfs: {left}"
+    assert_replays_plan(tmp_path / "run", 90)
