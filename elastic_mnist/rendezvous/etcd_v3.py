@@ -173,8 +173,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._view = view
         self._lease = lease or LeaseKeeper(client, 0)
         self._secret = secret
-        self._guard = ReplayGuard()
-        self._lock = threading.Lock()
+        self._guard, self._lock = ReplayGuard(), threading.Lock()
         self.key = run_key(key_prefix, run_id, "state")
         self.revision = 0
 
