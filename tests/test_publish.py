@@ -141,3 +141,49 @@ def test_ensure_writable_names_a_directory_that_cannot_publish(tmp_path, monkeyp
     with pytest.raises(UserError, match=r"ckpts is not writable \(Permission denied\)"):
         checkpoint.ensure_writable(str(tmp_path / "ckpts"))
     assert os.listdir(tmp_path / "ckpts") == []
+
+
+def _stale_claim(tmp_path, name: str):
+    claim = tmp_path / f".{name}.claim"
+    claim.touch()
+    old = time.time() - publish._STALE_CLAIM_S - 1
+    os.utime(claim, (old, old))
+    return claim
+
+
+def test_a_writer_that_judged_a_claim_stale_too_late_leaves_the_live_one_alone(tmp_path):
+    # The interleaving that let two writers publish when stale claims were unlinked by name: both stat
+    # the dead writer's claim, the first removes it and claims the name, then the second acts.
+    path = tmp_path / "ckpt-000000060.pt"
+    claim = _stale_claim(tmp_path, path.name)
+    stale = publish._identity(os.stat(claim))  # what both writers saw
+    assert publish._break_claim(str(claim), stale)
+    os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # the first writer's live claim
+    assert not publish._break_claim(str(claim), stale), "the second writer must see the name held"
+    assert claim.exists()
+    second = tmp_path / "second.tmp"
+    second.write_bytes(b"second")
+    assert not publish._publish_claim(str(second), str(path)) and not path.exists()
+    assert leftovers(tmp_path) == [claim.name], "nothing renamed aside is left behind"
+
+
+def test_exactly_one_of_two_writers_racing_over_a_stale_claim_publishes(tmp_path):
+    for round_ in range(40):  # the race window is small: many rounds, each a fresh stale claim
+        path = tmp_path / f"ckpt-{round_:09d}.pt"
+        _stale_claim(tmp_path, path.name)
+        start, results = threading.Barrier(2), {}
+
+        def writer(i: int) -> None:
+            tmp = tmp_path / f"{path.name}.{i}.tmp"
+            tmp.write_bytes(f"writer {i}".encode())
+            start.wait()
+            results[i] = publish._publish_claim(str(tmp), str(path))
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results.values()) == [False, True], (round_, results)
+        winner = next(i for i, ok in results.items() if ok)
+        assert path.read_bytes() == f"writer {winner}".encode()
+    assert not [n for n in os.listdir(tmp_path) if ".stale-" in n]

@@ -27,7 +27,7 @@ from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
-from elastic_mnist.rendezvous._state import MAGIC, StateIntegrityError, seal, unseal
+from elastic_mnist.rendezvous._state import StateIntegrityError, is_sealed, seal, unseal
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 120}
@@ -93,7 +93,7 @@ def test_tampered_state_of_a_running_job_is_refused_and_never_executed(tmp_path:
         wait_for(lambda: (tmp_path / "running").exists() or job.poll() is not None, 120, "the worker to start")
         assert job.poll() is None, finish(job)
         client, key = job_client(auth_etcd), run_key(None, "secure", "state")
-        assert client.call("read", lambda c: c.get(key))[0].startswith(MAGIC), "the state is sealed"
+        assert is_sealed(client.call("read", lambda c: c.get(key))[0]), "the state is sealed"
         client.call("tamper", lambda c: c.put(key, pickle.dumps(Payload(marker))))
         client.close()
         out, err = finish(job)

@@ -35,14 +35,16 @@ host vanished, still costs the heartbeat window.
   secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
   timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
 
-Whatever is read from the state key is checked before torch unpickles it (_state.py): a restricted
-unpickler always, an HMAC with secret_file. A refused state is ONE error, printed before torch's traceback.
+Whatever is read from the state key is checked before torch unpickles it (_state.py): a restricted unpickler
+always; with secret_file an HMAC, and that it is not an older state written back (_replay.py). A refused
+state is ONE error, printed before torch's traceback. secret_file seals the Store's values too (store.py).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,8 +66,9 @@ from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
+from elastic_mnist.rendezvous._replay import ReplayGuard
 from elastic_mnist.rendezvous._secrets import secret
-from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, seal, unseal
+from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, seal_state, unseal_state
 from elastic_mnist.rendezvous.conf import (
     BACKEND_NAME,
     DEFAULT_KEY_PREFIX,
@@ -157,7 +160,8 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
     """Holds the dynamic rendezvous state in one etcd key; the token is the key's mod_revision.
-    Every state read is checked (`unseal`) before torch sees it; with a secret, every write is sealed.
+    Every state read is checked (`unseal_state`) before torch sees it; with a secret, every write is sealed
+    with its lineage and every read must be where etcd holds it (`ReplayGuard`).
     `view` (a RoundView) then adjusts what torch sees; `revision` is the last one read, for watches."""
 
     def __init__(self, client: EtcdV3Client, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
@@ -169,17 +173,21 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._view = view
         self._lease = lease or LeaseKeeper(client, 0)
         self._secret = secret
+        self._guard, self._lock = ReplayGuard(), threading.Lock()
         self.key = run_key(key_prefix, run_id, "state")
         self.revision = 0
 
-    def _checked(self, stored: bytes, revision: int) -> bytes:
+    def _checked(self, stored: bytes, meta: Any) -> bytes:
+        """`meta`: etcd's metadata of the key as read (mod/create revision, version)."""
         try:
-            state_bits = unseal(self._secret, self.key, stored)
+            state_bits, lineage = unseal_state(self._secret, self.key, stored)
+            if self._secret is not None:  # without a secret anyone may write the key: nothing to compare
+                self._guard.admit(self.key, lineage, meta)
         except StateIntegrityError as exc:
             error = EtcdV3StateError(str(exc))
             report(error)
             raise error from None
-        self.revision = max(self.revision, revision)
+        self.revision = max(self.revision, int(meta.mod_revision))
         return state_bits if self._view is None else self._view(state_bits)
 
     @property
@@ -206,15 +214,23 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._client
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        with self._lock:  # one read or write at a time: the replay guard sees etcd's history in order
+            return self._get_state()
+
+    def _get_state(self) -> tuple[bytes, Token] | None:
         resp = self._client.call("read the rendezvous state", lambda c: c.get_response(self.key))
         if not resp.kvs:
+            self._guard.found_absent(int(resp.header.revision))  # the floor of a state that creates the key
             return None
-        revision = int(resp.kvs[0].mod_revision)
-        return self._checked(resp.kvs[0].value, revision), revision
+        return self._checked(resp.kvs[0].value, resp.kvs[0]), int(resp.kvs[0].mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        with self._lock:
+            return self._set_state(state, token)
+
+    def _set_state(self, state: bytes, token: Token | None) -> tuple[bytes, Token, bool] | None:
         if token and not isinstance(token, int):
-            current = self.get_state()  # a token we never issued cannot match; report the real state
+            current = self._get_state()  # a token we never issued cannot match; report the real state
             return None if current is None else (*current, False)
 
         def txn(c: Any, lease: int | None) -> tuple[bool, list[Any]]:
@@ -224,14 +240,14 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return c.transaction(compare=[guard], success=[t.put(self.key, stored, lease=lease), t.get(self.key)],
                                  failure=[t.get(self.key)])
 
-        stored = seal(self._secret, self.key, state)
+        stored = seal_state(self._secret, self.key, state, self._guard.successor(token))
 
         succeeded, responses = self._lease.run("write the rendezvous state", txn)
         kvs = responses[-1]  # the Get's [(value, KVMetadata)]: the state as of this transaction
         if not kvs:
             return None
         value, meta = kvs[0]
-        return self._checked(value, int(meta.mod_revision)), int(meta.mod_revision), bool(succeeded)
+        return self._checked(value, meta), int(meta.mod_revision), bool(succeeded)
 
 
 def with_tuned_defaults(params: RendezvousParameters) -> RendezvousParameters:
@@ -252,7 +268,8 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
         if settings.peer_probe else None
     backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret,
                                       RoundView(window, liveness))
-    store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease)
+    store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease,
+                        secret=settings.secret)
     try:
         backend.get_state()  # reachability, TLS, credentials and read permission in one round trip
     except BaseException:

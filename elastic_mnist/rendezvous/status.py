@@ -18,7 +18,7 @@ from typing import Any
 
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._secrets import secret
-from elastic_mnist.rendezvous._state import MAGIC, NodeDesc, RendezvousState, decode_state, unseal
+from elastic_mnist.rendezvous._state import NodeDesc, RendezvousState, decode_state, is_sealed, unseal
 from elastic_mnist.rendezvous.conf import SCHEMA, check_keys, connection_spec
 
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
@@ -46,7 +46,7 @@ def _integrity(key: str, stored: bytes, job_secret: bytes | None) -> str:
     if job_secret is not None:
         unseal(job_secret, key, stored)  # raises StateIntegrityError naming the cause
         return "verified"
-    return "unverified (sealed; pass secret_file=PATH to verify)" if stored.startswith(MAGIC) else "unsealed"
+    return "unverified (sealed; pass secret_file=PATH to verify)" if is_sealed(stored) else "unsealed"
 
 
 def _read_etcd_v3(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:

@@ -13,10 +13,18 @@ and by their Python names for others (`compare_set`, `multi_get`, `multi_set`, `
 `has_extended_api`, `clone`), so both spellings exist here (the C++ ones added by _torch_compat).
 Read-modify-write operations (add, append, compare_set) are one etcd transaction guarded by the key's
 mod_revision, retried on a lost race.
+
+With the job's secret (`secret_file`), every value is sealed like the rendezvous state: an HMAC over
+the etcd key and the value (_state.seal), so a value cannot be forged nor moved to another key. A
+value that does not verify is treated as absent (one warning names the key): a reader keeps waiting
+and gets the genuine value once a node of the job writes it, and a read-modify-write replaces it.
+Raising instead would let a value planted before the genuine one stop the agent. Without a secret,
+values are plain and the store trusts everyone who can write the prefix (docs/security.md).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +35,7 @@ from torch.distributed import DistStoreError, Store
 from elastic_mnist._torch_compat import with_cpp_store_names
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._lease import LeaseKeeper
+from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
 
 WATCH_RECHECK_S = 2.0
 
@@ -41,9 +50,10 @@ class EtcdV3Store(Store):
     append/multi_get/multi_set, and clone), atomic via etcd transactions."""
 
     def __init__(self, client: EtcdV3Client, prefix: str, timeout: timedelta | None = None,
-                 lease: LeaseKeeper | None = None) -> None:
+                 lease: LeaseKeeper | None = None, secret: bytes | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
-        self._client = client
+        self._client, self._secret = client, secret
+        self._refused: set[bytes] = set()  # keys already warned about
         self._lease = lease or LeaseKeeper(client, 0)
         self.prefix = prefix.rstrip("/") + "/"
         # Clones handed to C++ (PrefixStore.clone) are referenced only there, and the trampoline does not
@@ -57,20 +67,39 @@ class EtcdV3Store(Store):
 
     def clone(self) -> EtcdV3Store:
         """A store over the same keys, etcd connection and lease (both thread-safe), with its own timeout."""
-        twin = EtcdV3Store(self._client, self.prefix, self.timeout, self._lease)
+        twin = EtcdV3Store(self._client, self.prefix, self.timeout, self._lease, self._secret)
         self._clones.append(twin)
         return twin
 
+    # -- sealing ------------------------------------------------------------------------------
+    def _seal(self, k: bytes, value: bytes) -> bytes:
+        return seal(self._secret, k.decode("latin-1"), value)  # latin-1: any key bytes, one-to-one
+
+    def _open(self, k: bytes, stored: bytes | None) -> bytes | None:
+        """The value a node of this job wrote under k, or None (absent, or it does not verify)."""
+        if stored is None or self._secret is None:
+            return stored
+        try:
+            return verified(self._secret, k.decode("latin-1"), stored)
+        except StateIntegrityError:
+            if k not in self._refused:
+                self._refused.add(k)
+                print(f"elastic-mnist etcd-v3: warning: ignoring the store value under {k.decode('latin-1')}: its "
+                      "HMAC does not verify with this job's secret (someone without it wrote it); waiting for the "
+                      "genuine value", file=sys.stderr, flush=True)
+            return None
+
     # -- writes ---------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
-        k, v = self._key(key), _bytes(value)
+        k = self._key(key)
+        v = self._seal(k, _bytes(value))
         self._lease.run(f"set store key {key!r}", lambda c, lease: c.put(k, v, lease=lease))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
         """All keys in one transaction: readers never see half of them."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values)]
+        pairs = [(k, self._seal(k, _bytes(v))) for k, v in zip(map(self._key, keys), values)]
 
         def txn(c: Any, lease: int | None) -> Any:
             return c.transaction(compare=[], success=[c.transactions.put(k, v, lease=lease) for k, v in pairs],
@@ -109,15 +138,16 @@ class EtcdV3Store(Store):
         race means another writer made progress, so re-read and retry at once. Returns what was written."""
         k = self._key(key)
         while True:
-            old, meta = self._client.call(f"read store key {key!r}", lambda c: c.get(k))
-            new = change(old)
+            stored, meta = self._client.call(f"read store key {key!r}", lambda c: c.get(k))
+            new = change(self._open(k, stored))  # a value that does not verify counts as absent
             if new is None:
                 return None
 
             def txn(c: Any, lease: int | None, new: bytes = new) -> tuple[bool, list[Any]]:
                 t = c.transactions
                 guard = t.create(k) == 0 if meta is None else t.mod(k) == meta.mod_revision
-                return c.transaction(compare=[guard], success=[t.put(k, new, lease=lease)], failure=[])
+                return c.transaction(compare=[guard], success=[t.put(k, self._seal(k, new), lease=lease)],
+                                     failure=[])
 
             if self._lease.run(f"update store key {key!r}", txn)[0]:
                 return new
@@ -169,8 +199,9 @@ class EtcdV3Store(Store):
         for k in keys:
             resp = self._client.call("read the store", lambda c, k=k: c.get_response(k))
             revision = resp.header.revision if revision is None else min(revision, resp.header.revision)
-            if resp.kvs:
-                found[k] = resp.kvs[0].value
+            value = self._open(k, resp.kvs[0].value) if resp.kvs else None
+            if value is not None:
+                found[k] = value
         return found, revision or 0
 
     def _wait_for(self, keys: list[bytes], timeout: timedelta) -> dict[bytes, bytes] | None:

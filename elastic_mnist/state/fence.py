@@ -14,13 +14,19 @@ from elastic_mnist.state.format import write_durable
 GENERATION_FILE = ".generation"
 
 
-def claim_generation(directory: str, world_size: int) -> str:
-    """Rank 0 of a freshly formed group marks the checkpoint dir as its own.
+def new_token() -> str:
+    return os.urandom(8).hex()
+
+
+def claim_generation(directory: str, world_size: int, token: str | None = None) -> str:
+    """Mark the checkpoint dir as owned by a freshly formed group: with shared storage rank 0 writes it,
+    with node-local storage every writing rank writes rank 0's token into its own dir.
 
     A rendezvous can split (a live node declared dead keeps training while a new group forms); the
-    older group then finds another token here at its next save and leaves, so its agent rejoins.
+    older group then finds another token here at its next save and leaves, so its agent rejoins. With
+    node-local dirs, any rank of the older group sharing a dir with a rank of the newer one finds it.
     """
-    token = os.urandom(8).hex()
+    token = token or new_token()
     record = json.dumps({"token": token, "pid": os.getpid(), "world_size": world_size, "time": time.time()})
     write_durable(os.path.join(directory, GENERATION_FILE), record.encode(), replace=True)
     return token

@@ -60,9 +60,9 @@ class CheckpointManager:
         mode, on_gpu = self.config.failure_state, next(objects["model"].parameters()).device.type == "cuda"
         self._keeps_copy = mode == "copy" or (mode == "auto" and on_gpu)  # decided once, not per step
         self._sweep_snapshots()
-        state, source = self._agree_on_state()
-        if self.env.rank == 0:  # this group now owns the checkpoint dir (see fence.claim_generation)
-            self._token = fence.claim_generation(self.config.checkpoint_dir, self.env.world_size)
+        state, source, token = self._agree_on_state()
+        if self.writes:  # this group now owns every dir it writes to (see fence.claim_generation)
+            self._token = fence.claim_generation(self.config.checkpoint_dir, self.env.world_size, token)
         if state is None:
             self.metrics.event("start", f"[start] fresh run at world size {self.env.world_size} "
                                f"(no checkpoint in {self.config.checkpoint_dir})", world_size=self.env.world_size)
@@ -76,7 +76,8 @@ class CheckpointManager:
             f"torchrun restart {self.env.restart_count}", step=state["step"], source=source,
             saved_world_size=state["world_size"])
 
-    def _agree_on_state(self) -> tuple[dict | None, str]:
+    def _agree_on_state(self) -> tuple[dict | None, str, str]:
+        """(the agreed state or None, where it came from, rank 0's generation token for this group)."""
         config, env, error, mine = self.config, self.env, None, None
         try:
             if self.writes:
@@ -86,9 +87,10 @@ class CheckpointManager:
         except UserError as e:
             error = str(e)
         state_sync.agree_errors(error, env.world_size)
-        chosen, owner, sent_to = state_sync.agree_on_state(mine, env.rank, env.world_size)
+        offered = fence.new_token() if env.rank == 0 else ""
+        chosen, owner, sent_to, token = state_sync.agree_on_state(mine, env.rank, env.world_size, offered)
         if chosen is None:
-            return None, ""
+            return None, "", token
         # Decoded once: a local state when it was verified; what a peer sent, here (its checksum too).
         state = chosen.state if chosen.state is not None else checkpoint.decode(chosen.blob, chosen.source, self.key)
         checkpoint.check_compatible(state, self.fingerprint, chosen.source)
@@ -97,7 +99,7 @@ class CheckpointManager:
         if sent_to:
             self.metrics.event("sync", f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}",
                                step=chosen.step, owner=owner, sent_to=sent_to)
-        return state, chosen.source
+        return state, chosen.source, token
 
     def _sweep_snapshots(self) -> None:
         if self.writes:  # temp files of writers killed mid-write (the age leaves a live writer's alone)

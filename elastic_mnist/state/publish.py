@@ -16,10 +16,12 @@ readers verify checksums, so a half-written file is never used as the newest che
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import os
+import threading
 import time
 
 from elastic_mnist.files import UNSUPPORTED
@@ -129,16 +131,48 @@ def _publish_claim(tmp: str, path: str) -> bool:
             os.rename(tmp, path)
             return True
         finally:
-            os.unlink(claim)
+            with contextlib.suppress(FileNotFoundError):  # moved aside by a writer judging it stale (_break_claim)
+                os.unlink(claim)
     return False
 
 
 def _drop_stale_claim(claim: str) -> bool:
-    """A claim left by a writer that died between claiming and renaming; True if it was removed."""
+    """A claim left by a writer that died between claiming and renaming: move it out of the way. True when
+    the name may be claimed again (whoever wins the exclusive create publishes), False while it is held."""
     try:
-        if time.time() - os.stat(claim).st_mtime < _STALE_CLAIM_S:
-            return False
-        os.unlink(claim)
+        st = os.stat(claim)
     except FileNotFoundError:
-        pass
-    return True
+        return True
+    if time.time() - st.st_mtime < _STALE_CLAIM_S:
+        return False
+    return _break_claim(claim, _identity(st))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    # The inode number alone is not enough: a claim made right after the stale one was unlinked often
+    # gets the same number. Its mtime (which a rename keeps) tells them apart.
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _break_claim(claim: str, stale: tuple[int, int, int]) -> bool:
+    """Remove the claim file whose _identity was judged stale, never a live one.
+
+    Unlinking by name after a stat is racy: two writers judge the same claim stale, the first removes it
+    and claims the name anew, the second then unlinks that live claim and both publish. A rename of one
+    file succeeds once; the file renamed aside is then checked to be the stale one. If a live claim was
+    taken instead (the other writer's, made after the stale one was gone), the name is claimed again at
+    once with an exclusive create (never clobbering a claim a third writer may have made meanwhile)."""
+    aside = f"{claim}.stale-{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(claim, aside)
+    except FileNotFoundError:
+        return True  # another writer moved it first; the exclusive create decides who goes on
+    if _identity(os.stat(aside)) == stale:
+        os.unlink(aside)
+        return True
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))  # held for its owner
+    except FileExistsError:
+        pass  # claimed by someone else meanwhile: held either way
+    os.unlink(aside)
+    return False

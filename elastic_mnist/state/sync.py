@@ -64,23 +64,25 @@ def agree_errors(error: str | None, world_size: int) -> None:
         raise UserError(first)
 
 
-def agree_on_state(mine: Candidate | None, rank: int, world_size: int) -> tuple[Candidate | None, int, list[int]]:
-    """(the newest state, the rank that had it, the ranks it was sent to)."""
-    offer = [mine.step, mine.digest] if mine else [-1, ""]
+def agree_on_state(mine: Candidate | None, rank: int, world_size: int,
+                   generation: str = "") -> tuple[Candidate | None, int, list[int], str]:
+    """(the newest state, the rank that had it, the ranks it was sent to, rank 0's `generation`).
+    The generation token (fence.py) rides in the same all-gather: every rank learns it at no extra cost."""
+    offer = [mine.step, mine.digest, generation] if mine else [-1, "", generation]
     offers = [offer]
     if world_size > 1:  # a lone process has nobody to agree with (and may have no process group)
         offers = [json.loads(b) for b in _all_gather_bytes(json.dumps(offer).encode())]
-    best = max(step for step, _ in offers)
+    best, token = max(step for step, _, _ in offers), str(offers[0][2])
     if best < 0:
-        return None, -1, []
-    owner = min(r for r, (step, _) in enumerate(offers) if step == best)
-    needy = [r for r, offer in enumerate(offers) if offer != offers[owner]]
+        return None, -1, [], token
+    owner = min(r for r, (step, _, _) in enumerate(offers) if step == best)
+    needy = [r for r, offer in enumerate(offers) if offer[:2] != offers[owner][:2]]
     if not needy:
-        return mine, owner, []
+        return mine, owner, [], token
     blob = _broadcast_bytes(mine.blob if rank == owner else b"", owner)
     if rank in needy:
         mine = Candidate(best, blob, f"rank {owner} (sent over the process group)")
-    return mine, owner, needy
+    return mine, owner, needy, token
 
 
 # Bytes, not pickled objects, travel between ranks: what a peer sends is parsed as JSON or verified as a
