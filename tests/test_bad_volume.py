@@ -11,6 +11,7 @@ import torch
 from trainers import in_process_trainer
 from volumes import tiny_tmpfs
 
+from elastic_mnist import job_secret
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import Split
 from elastic_mnist.distributed import DistEnv
@@ -157,3 +158,19 @@ def test_the_sweep_never_removes_a_live_runs_snapshots(tmp_path):
     finally:
         os.close(fd)
     assert removed == [dead.run_root] and os.path.isdir(live.directory)
+
+
+def test_with_a_job_secret_the_worker_keys_its_checkpoints_and_refuses_planted_ones(tmp_path, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(16).hex())
+    monkeypatch.setenv(job_secret.SECRET_FILE_ENV, str(secret))
+    in_process_trainer(_config(tmp_path, max_steps=20), *_data()).train()
+    planted = checkpoint.encode(checkpoint.load_latest(str(tmp_path / "ckpt"), key=_key(secret))[0] | {"step": 900})
+    (tmp_path / "ckpt" / "ckpt-000000900.pt").write_bytes(planted)  # a valid state, but unkeyed
+    assert in_process_trainer(_config(tmp_path, max_steps=30), *_data()).progress.step == 20
+    with pytest.raises(CheckpointError, match="keyed with a job secret"):
+        checkpoint.decode((tmp_path / "ckpt" / "ckpt-000000020.pt").read_bytes())
+
+
+def _key(secret_file) -> bytes:
+    return checkpoint.checkpoint_key(job_secret.read(str(secret_file), "test"))

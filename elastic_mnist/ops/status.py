@@ -44,9 +44,10 @@ def collect(args) -> dict:
     except Exception as e:  # a client library's own error: still one line naming the endpoint
         raise UserError(f"cannot read rendezvous {args.rdzv_id!r} from etcd at {args.rdzv_endpoint}: {e}") from None
     if args.checkpoint_dir:
-        from elastic_mnist.state.format import describe_latest
+        from elastic_mnist import job_secret
+        from elastic_mnist.state.format import checkpoint_key, describe_latest
 
-        status["checkpoint"] = describe_latest(args.checkpoint_dir)
+        status["checkpoint"] = describe_latest(args.checkpoint_dir, checkpoint_key(job_secret.from_env()))
     return status
 
 

@@ -34,7 +34,6 @@ DEFAULT_PORT = 2379
 # Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
 USER_ENV = "ELASTIC_MNIST_ETCD_USER"
 PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"
-SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
 _GRPC_OPTIONS = [
     ("grpc.enable_http_proxy", 0),  # an $http_proxy meant for the internet must not carry rendezvous traffic
     # gRPC's default reconnect backoff grows to 120 s; after an etcd restart we want to be back within ~2 s.

@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import sys
 
-from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, SECRET_FILE_ENV, USER_ENV, EtcdV3Error
+from elastic_mnist import job_secret
+from elastic_mnist.errors import UserError
+from elastic_mnist.job_secret import SECRET_FILE_ENV
+from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, USER_ENV, EtcdV3Error
 
-MIN_SECRET_BYTES = 16
 _warned_password = False
 
 
@@ -61,13 +63,8 @@ def secret(secret_file: str | None, environ: dict[str, str] | os._Environ[str] =
 
 
 def read_secret(path: str, source: str) -> bytes:
-    """The HMAC key in a file (surrounding whitespace, e.g. a trailing newline, is not part of it)."""
+    """The HMAC key in a file (job_secret.read), as this package's connection error."""
     try:
-        with open(path, "rb") as f:
-            key = f.read().strip()
-    except OSError as exc:
-        raise EtcdV3Error(f"cannot read the rendezvous secret file {path!r} (from {source}): {exc.strerror}") from None
-    if len(key) < MIN_SECRET_BYTES:
-        raise EtcdV3Error(f"the rendezvous secret in {path!r} (from {source}) is {len(key)} bytes; use at least "
-                          f"{MIN_SECRET_BYTES} random bytes, e.g. `openssl rand -hex 32 > {path}`")
-    return key
+        return job_secret.read(path, source)
+    except UserError as exc:
+        raise EtcdV3Error(str(exc)) from None

@@ -60,6 +60,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic_mnist import _torch_compat as compat
+from elastic_mnist import job_secret
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._lease import LeaseKeeper
@@ -288,6 +289,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         report(exc)
         raise
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
+    job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:

@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist import distributed, exit_codes, procs
+from elastic_mnist import distributed, exit_codes, job_secret, procs
 from elastic_mnist.config import parse_args
 from elastic_mnist.data.inputs import build_inputs
 from elastic_mnist.data.mnist import BatchPlan, dataset_fingerprint
@@ -52,7 +52,8 @@ def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitSta
     model = task.build_model(config).to(device)
     learner = Learner(task, model, task.build_optimizer(model, config))
     fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
-    manager = CheckpointManager(config, env, metrics, fingerprint)
+    key = checkpoint.checkpoint_key(job_secret.from_env())  # None for a job without a secret
+    manager = CheckpointManager(config, env, metrics, fingerprint, key)
     stack.callback(manager.close)
     state = {"model": model, "optimizer": learner.optimizer, "rng": RngState()}
     manager.restore(state, learner.progress, plan.steps_per_epoch)

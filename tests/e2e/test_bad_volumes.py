@@ -10,9 +10,9 @@ from conftest import run_torchrun
 from test_bad_volume import Planted
 from volumes import tiny_tmpfs
 
+from e2e.test_chaos import assert_replays_plan, run_local
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.writer import CORRUPT_DIR
-from tests.e2e.test_chaos import assert_replays_plan, run_local
 
 
 def _args(data: str, tmp, *extra: str) -> list[str]:

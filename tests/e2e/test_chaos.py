@@ -23,10 +23,10 @@ pytestmark = pytest.mark.e2e
 BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set
 
 
-def run_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps: int = 90,
+def launch_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps: int = 90,
               timeout: float = 240, backend: str = "etcd-v3",
-              pace: float = 0.05) -> dict:
-    """The launcher's report of a run that finished cleanly (all steps, no orphan, no hang at exit)."""
+              pace: float = 0.05) -> tuple[subprocess.CompletedProcess, dict]:
+    """The launcher's process and report, however the run ended."""
     cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", str(nodes), "--max-nodes", "3",
            "--rdzv-backend", backend,
            "--run-dir", str(run_dir), "--chaos", chaos, "--timeout", str(timeout - 30),
@@ -36,7 +36,12 @@ def run_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env(), cwd=REPO)
     report_path = run_dir / "report.json"
     assert report_path.exists(), run.stdout[-4000:] + run.stderr[-4000:]
-    report = json.loads(report_path.read_text())
+    return run, json.loads(report_path.read_text())
+
+
+def run_local(data: str, run_dir, chaos: str, *extra: str, steps: int = 90, **kw) -> dict:
+    """The launcher's report of a run that finished cleanly (all steps, no orphan, no hang at exit)."""
+    run, report = launch_local(data, run_dir, chaos, *extra, steps=steps, **kw)
     assert_finished_clean(run, report, steps)
     return report
 

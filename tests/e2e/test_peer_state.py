@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e.test_chaos import assert_replays_plan, run_local
+from e2e.test_chaos import assert_replays_plan, launch_local, run_local
 from elastic_mnist.state import format as checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -17,18 +17,15 @@ def _node_steps(run_dir, name: str) -> list[int]:
 
 
 def test_kill_the_rank0_node_loses_at_most_one_step(small_mnist, tmp_path):
-    run, report = run_local(small_mnist, tmp_path, "kill:rank0@step=25", *LOCAL)
-    assert run.returncode == 0, run.stdout[-3000:]
+    report = run_local(small_mnist, tmp_path, "kill:rank0@step=25", *LOCAL)
     (event,) = report["events"]
     assert event["world_size_before"] == 2 and event["world_size_after"] == 1
     assert event["steps_redone"] <= 1
-    assert report["orphans"] == [] and report["summary"]["global_step"] == 90
     assert_replays_plan(tmp_path, 90)
 
 
 def test_a_node_with_an_empty_disk_joins_and_trains_from_the_current_step(small_mnist, tmp_path):
-    run, report = run_local(small_mnist, tmp_path, "join@step=30", *LOCAL, nodes=1, steps=150, pace=0.1)
-    assert run.returncode == 0, run.stdout[-3000:]
+    report = run_local(small_mnist, tmp_path, "join@step=30", *LOCAL, nodes=1, steps=150, pace=0.1)
     (join,) = report["events"]
     assert (join["world_size_before"], join["world_size_after"], join["steps_redone"]) == (1, 2, 0)
     log = (tmp_path / "nodes" / "n1.log").read_text() + (tmp_path / "nodes" / "n0.log").read_text()
@@ -39,12 +36,11 @@ def test_a_node_with_an_empty_disk_joins_and_trains_from_the_current_step(small_
 
 
 def test_all_nodes_die_then_the_job_resumes_from_what_any_disk_kept(small_mnist, tmp_path):
-    first, _ = run_local(small_mnist, tmp_path, "kill:n1@step=20,kill:n0@step=45", *LOCAL, steps=200)
+    first, _ = launch_local(small_mnist, tmp_path, "kill:n1@step=20,kill:n0@step=45", *LOCAL, steps=200)
     assert first.returncode != 0, "nobody finished: every node was killed"
     kept = max(_node_steps(tmp_path, "n0") + _node_steps(tmp_path, "n1"))
     assert kept >= 40 and max(_node_steps(tmp_path, "n1"), default=0) < kept
-    second, report = run_local(small_mnist, tmp_path, "", *LOCAL, steps=200)
-    assert second.returncode == 0, second.stdout[-3000:]
+    report = run_local(small_mnist, tmp_path, "", *LOCAL, steps=200)
     log = (tmp_path / "nodes" / "n0.log").read_text() + (tmp_path / "nodes" / "n1.log").read_text()
     assert f"[resume] step {kept} " in log
     assert report["summary"]["global_step"] == 200

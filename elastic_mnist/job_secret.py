@@ -1,0 +1,42 @@
+"""The job's secret, shared by every node: the key that seals the rendezvous state and store values (the
+etcd-v3 backend) and keys the checkpoint digest (the workers). It is a file named by --rdzv-conf
+secret_file=PATH or $ELASTIC_MNIST_RDZV_SECRET_FILE; the backend hands the path on to the workers it
+starts, which never see --rdzv-conf.
+
+    ELASTIC_MNIST_RDZV_SECRET_FILE=secret.txt python -c "from elastic_mnist.job_secret import from_env; from_env()"
+"""
+
+from __future__ import annotations
+
+import os
+
+from elastic_mnist.errors import UserError
+
+SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+
+
+def read(path: str, source: str) -> bytes:
+    """The key in a file (surrounding whitespace, e.g. a trailing newline, is not part of it)."""
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise UserError(f"cannot read the rendezvous secret file {path!r} (from {source}): {exc.strerror}") from None
+    if len(key) < MIN_SECRET_BYTES:
+        raise UserError(f"the rendezvous secret in {path!r} (from {source}) is {len(key)} bytes; use at least "
+                        f"{MIN_SECRET_BYTES} random bytes, e.g. `openssl rand -hex 32 > {path}`")
+    return key
+
+
+def from_env(environ=os.environ) -> bytes | None:
+    """The secret named by $ELASTIC_MNIST_RDZV_SECRET_FILE, or None (a job without one)."""
+    path = environ.get(SECRET_FILE_ENV)
+    return read(path, f"${SECRET_FILE_ENV}") if path else None
+
+
+def hand_to_workers(secret_file: str | None, environ=os.environ) -> None:
+    """In the agent: a secret given as --rdzv-conf secret_file reaches the workers through their environment
+    (an explicit $ELASTIC_MNIST_RDZV_SECRET_FILE wins)."""
+    if secret_file:
+        environ.setdefault(SECRET_FILE_ENV, os.path.abspath(secret_file))
