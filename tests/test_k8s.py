@@ -603,3 +603,26 @@ def test_node_local_variant_runs_with_local_checkpoint_storage(variants):
     program = args[args.index("elastic_mnist.train") + 1:]
     assert parse_args([a.replace("$(JOB_NAME)", "job") for a in program]).checkpoint_storage == "local"
     assert not [d for d in variants["node-local"] if d["kind"] == "PersistentVolumeClaim"]
+
+
+def _quantity_bytes(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dev_shm_holds_every_ranks_snapshots_with_room_for_nccl(variant, variants):
+    """docs/checkpoints.md's formula: /dev/shm >= nproc_per_node x 3 x state + 256 MiB for NCCL (each rank
+    keeps 2 snapshots and writes a third beside them). The state is the model's and Adam's two moments."""
+    from elastic_mnist.worker.model import build_model
+
+    trainer = trainer_job(variants[variant])
+    c = container(trainer, "trainer")
+    torchrun, program = torchrun_split(trainer_argv(trainer))
+    config = parse_args(program)
+    params = sum(p.numel() * p.element_size() for p in build_model(config.hidden).parameters())
+    need = int(torchrun.nproc_per_node) * 3 * (3 * params) + 256 * 2**20
+    if config.snapshot_every:
+        m, volume = mount_for(trainer, c, "/dev/shm/x")
+        assert m["mountPath"] == "/dev/shm" and volume["emptyDir"]["medium"] == "Memory"
+        assert _quantity_bytes(volume["emptyDir"]["sizeLimit"]) >= need, f"{variant}: /dev/shm under {need} bytes"
