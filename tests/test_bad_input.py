@@ -158,3 +158,14 @@ def test_preflight_names_a_directory_in_a_files_place(tmp_path):
     code = run_checks(parse_launch(["--data-dir", str(root), "--checkpoint-dir", str(tmp_path / "ckpt")]),
                       say=lines.append)
     assert code == exit_codes.PERMANENT and len(lines) == 1 and str(bad) in lines[0], lines
+
+
+@pytest.mark.vision
+@pytest.mark.parametrize("case", ["3-byte file", "wrong magic"])
+def test_the_dataloader_path_names_a_bad_file_too(tmp_path, case):
+    from elastic_mnist.data.loader import mnist_dataset
+
+    root, bad = _bad_set(tmp_path, case)
+    with pytest.raises(UserError, match="re-download MNIST") as e:
+        mnist_dataset(str(root), train=bad.name.startswith("train"))
+    assert str(bad) in str(e.value)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_mnist.data.mnist import MNIST_MEAN, MNIST_STD, torchvision
+from elastic_mnist.data.mnist import MNIST_MEAN, MNIST_STD, raw_paths, read_split, torchvision
 from elastic_mnist.data.sampler import ElasticDistributedSampler
 from elastic_mnist.errors import UserError
 
@@ -26,6 +26,9 @@ from elastic_mnist.errors import UserError
 def mnist_dataset(root: str, train: bool, download: bool = False) -> Dataset:
     """torchvision's MNIST over root/MNIST/raw/*-ubyte (the layout `data.load_split` reads)."""
     vision = torchvision("--input dataloader")  # imported here: ~1 s, paid only by the DataLoader path
+    _, paths = raw_paths(root, train)
+    if all(p.exists() for p in paths):
+        read_split(paths)  # a bad file is one line naming it, as on the default path, not torchvision's traceback
     transforms = vision.transforms
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
     try:

@@ -60,6 +60,12 @@ def dataset_fingerprint(dataset) -> str:
     return f"{len(dataset)}:{digest}"
 
 
+def raw_paths(root: str, train: bool) -> tuple[Path, list[Path]]:
+    """(root/MNIST/raw, [images file, labels file]) of one split."""
+    raw = Path(root) / "MNIST" / "raw"
+    return raw, [raw / RAW_FILES[(train, kind)] for kind in ("images", "labels")]
+
+
 def load_split(root: str, train: bool, download: bool = False, cache_dir: str | Path | None = None) -> Split:
     """Decode MNIST once into tensors (no PIL/ToTensor per sample as in the seed).
 
@@ -68,8 +74,7 @@ def load_split(root: str, train: bool, download: bool = False, cache_dir: str | 
     checked against the raw files (data/cache.py), so a restart maps them instead of decoding again.
     torchvision's MNIST remains the path that downloads (and reports a missing data set).
     """
-    raw = Path(root) / "MNIST" / "raw"
-    paths = [raw / RAW_FILES[(train, kind)] for kind in ("images", "labels")]
+    raw, paths = raw_paths(root, train)
     try:
         # exists, not is_file: a directory in a file's place is a bad file (read_idx names it), not a
         # missing data set to fetch with torchvision.

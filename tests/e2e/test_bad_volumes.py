@@ -52,3 +52,17 @@ def test_a_full_snapshot_tmpfs_costs_at_most_a_step(small_mnist, tmp_path):
     assert "Traceback" not in logs and "snapshots off on this worker" in logs
     assert left == [], f"temp or snapshot files left in the tmpfs: {left}"
     assert_replays_plan(tmp_path / "run", 90)
+
+
+def test_a_snapshot_root_open_to_others_is_refused_with_one_line_and_training_goes_on(small_mnist, tmp_path):
+    root = tmp_path / "shared-shm"
+    root.mkdir()
+    root.chmod(0o777)  # what a first user's `mkdir` with umask 0 leaves for everyone
+    run = run_torchrun(["--standalone", "--nproc-per-node=2"],
+                       _args(small_mnist, tmp_path, "--max-steps", "20", "--snapshot-dir", str(root),
+                             "--snapshot-every", "5"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    refusals = [line for line in run.stderr.splitlines() if "snapshots off on this worker" in line]
+    assert len(refusals) == 2 and all("writable by others (mode 777)" in line for line in refusals), refusals
+    assert os.listdir(root) == [], "nothing written into it"
+    assert checkpoint.load_latest(str(tmp_path / "ckpt"))[0]["step"] == 20
