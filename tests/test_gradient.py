@@ -26,7 +26,7 @@ def _grads(rank: int, world: int, step: int, work: str) -> list[torch.Tensor]:
 
 def _step(rank: int, world: int, step: int, work: str) -> tuple[list[torch.Tensor], bool]:
     config = TrainConfig(global_batch_size=128, log_dir="", checkpoint_dir=os.path.join(work, f"ckpt-{world}"))
-    trainer = in_process_trainer(config, _split(), _split(50), DistEnv(rank=rank, world_size=world), writes=False)
+    trainer = in_process_trainer(config, _split(), _split(50), DistEnv(rank=rank, world_size=world))
     trainer.forward_backward(step)
     return [p.grad.clone() for p in trainer.model.parameters()], trainer.replicas.uses_ddp
 
