@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +66,31 @@ def pick_backend(requested: str, local_world_size: int) -> str:
     return requested
 
 
+# On an NCCL error or timeout, abort the communicators and raise in the blocked call, but keep the process
+# (2 = CleanUpOnly), so it can save the last agreed step and exit for torchrun to restart it. torchrun's
+# agent always passes its own value to workers (1 = TearDown unless the agent's environment says
+# otherwise: local_elastic_agent.py), which kills the process first: so the worker sets it, before the
+# NCCL group exists (the process group reads it at creation).
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERROR_HANDLING = "2"
+
+
+def set_nccl_error_handling(environ, report: bool = True) -> None:
+    """Put NCCL's error handling in the mode the failure path needs, whatever the launcher passed; say so
+    once (report) when it replaced another value."""
+    given = environ.get(NCCL_ERROR_HANDLING_ENV)
+    environ[NCCL_ERROR_HANDLING_ENV] = NCCL_ERROR_HANDLING
+    if report and given not in (None, NCCL_ERROR_HANDLING):
+        print(f"elastic-mnist train: {NCCL_ERROR_HANDLING_ENV}={given} (from the launcher) replaced by "
+              f"{NCCL_ERROR_HANDLING} (CleanUpOnly): a lost peer must raise in this process, which then saves "
+              "the last agreed step, rather than end it", file=sys.stderr, flush=True)
+
+
 def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device:
     """Join the process group (a lone process gets a one-member group) and pick this rank's device."""
     backend = pick_backend(requested_backend, env.local_world_size)
     if backend == "nccl":
-        # On an NCCL error or timeout, abort the communicators and raise in the blocked call, but keep the
-        # process (2 = CleanUpOnly): torch's default (3) tears the process down before it can save.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        set_nccl_error_handling(os.environ, env.local_rank == 0)
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
     else:

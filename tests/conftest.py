@@ -67,9 +67,10 @@ def load_render():
     return module
 
 
-def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(procs.torchrun_command(torchrun_args, train_args), capture_output=True, text=True,
-                          timeout=timeout, env=worker_env(), cwd=REPO)
+def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float = 300,
+                 script: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(procs.torchrun_command(torchrun_args, train_args, script=script), capture_output=True,
+                          text=True, timeout=timeout, env=worker_env(), cwd=REPO)
 
 
 from etcd_fixtures import etcd_server, etcd_server_auth, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
