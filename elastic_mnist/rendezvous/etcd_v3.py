@@ -30,8 +30,7 @@ host vanished, still costs the heartbeat window.
   key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
-  user=NAME  password_file=PATH   etcd credentials (else $ELASTIC_MNIST_ETCD_USER and
-                                  $ELASTIC_MNIST_ETCD_PASSWORD_FILE); password=SECRET works but warns (`ps` shows it)
+  user=NAME  password_file=PATH  etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $..._PASSWORD_FILE); password=
   secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
   timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
 
