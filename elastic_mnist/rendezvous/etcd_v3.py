@@ -26,8 +26,7 @@ host vanished, still costs the heartbeat window.
 --rdzv-conf keys (conf.py's SCHEMA, shared with preflight and status; anything else is rejected, naming the key):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
   keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; tuned: torchrun_settings.RDZV_CONF
-  read_timeout=10      deadline of each etcd call, seconds
-  key_prefix=/torchelastic/v3   lease_ttl=7200 (0: keys never expire; see _lease.py)
+  read_timeout=10 (each etcd call's deadline, s)  key_prefix=/torchelastic/v3  lease_ttl=7200 (0: never; _lease.py)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
   user=NAME  password_file=PATH  etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $..._PASSWORD_FILE); password=
