@@ -40,10 +40,10 @@ class LossWitness(Protocol):
 class Bounds:
     confirm_s: float
     """How long the main thread asks the heartbeat whether its collective's error is a peer's loss."""
+    end_s: float
+    """From the first sign of the loss to the end of the process, saved or not."""
     takeover_s: float = 1.0
     """How long the watch thread leaves the main thread to take the save over (it may be mid-step)."""
-    end_s: float = 60.0 + SAVE_GRACE_S
-    """From the first sign of the loss to the end of the process, saved or not."""
 
     @classmethod
     def of(cls, config) -> Bounds:
