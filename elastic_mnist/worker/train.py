@@ -6,7 +6,8 @@
 
 Every start is a resume: torchrun re-runs this on every membership change, and each step below is
 safe to repeat. Exit codes (elastic_mnist.exit_codes): 0 done (or stopped on our own SIGTERM), 2 bad input, 75 the group
-stopped for a membership change (torchrun restarts us into the next rendezvous round).
+stopped for a membership change (torchrun restarts us into the next rendezvous round), 74 a peer was lost and
+the save of the last completed step did not finish (worker/failure.py).
 """
 
 from __future__ import annotations

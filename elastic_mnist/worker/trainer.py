@@ -9,8 +9,6 @@ what to save instead of assembling checkpoints itself.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_mnist import distributed, exit_codes
+from elastic_mnist import distributed
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.distributed import DistEnv
@@ -28,6 +26,7 @@ from elastic_mnist.runlog import RunLog
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import Progress
 from elastic_mnist.worker.control import ControlPlane
+from elastic_mnist.worker.failure import Bounds, FailureHandoff
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.parallel import DataParallel
 from elastic_mnist.worker.task import Task
@@ -73,8 +72,8 @@ class Trainer:
         # Held while the optimizer step and the step counter change: outside it, model, optimizer and
         # step agree, so the peer watch may save them from its own thread while this one is blocked.
         self._state_lock = threading.Lock()
-        self._failure_owner = threading.Lock()
-        self._main_failing = threading.Event()
+        abort = distributed.abort_data_group if self.device.type == "cuda" else None
+        self.failure = FailureHandoff(self._save_last_step, control, Bounds.of(config), self.metrics.warn, abort)
 
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,31 +205,24 @@ class Trainer:
     def handle_failure(self, error: BaseException) -> str | None:
         """Main thread, a collective raised: if a peer is gone, save the last completed step and say
         where it went; None when the error is not a peer's loss (a bug: the caller re-raises)."""
-        self._main_failing.set()
-        if not (isinstance(error, dist.DistError) or self.control.confirms_peer_loss(self.config.peer_timeout + 2)):
-            return None
-        if not self._failure_owner.acquire(blocking=False):
-            threading.Event().wait()  # the peer watch is saving; it ends the process
-        self.metrics.event("collective_failed", step=self.progress.step)
-        return self.checkpoints.save_on_failure()
+        return self.failure.main_failed(error)
 
     def _on_peer_lost(self, reason: str) -> None:
-        """Peer-watch thread: a peer is gone. Abort the data group where that unblocks it (NCCL); if the
-        main thread does not take over at once (a gloo send blocked until its timeout), save the last
-        completed step from here and leave for torchrun to restart us."""
+        """Peer-watch thread: a peer is gone; the handoff decides who saves (worker/failure.py)."""
         self.metrics.warn(f"peer lost near step {self.progress.step}: {reason}")
         self.metrics.event("peer_lost", step=self.progress.step, reason=reason)
-        if self.device.type == "cuda":
-            distributed.abort_data_group()
-        if self._main_failing.wait(1.0) or not self._failure_owner.acquire(blocking=False):
-            return
-        with self._state_lock:
+        self.failure.peer_lost()
+
+    def _save_last_step(self, owner: str) -> str:
+        """The failure save, on the thread that owns it ("main" or "watch")."""
+        if owner == "main":
+            self.metrics.event("collective_failed", step=self.progress.step)
+        with self._state_lock:  # the main thread may be mid optimizer step when the watch saves
             where = self.checkpoints.save_on_failure()
-        self.metrics.event("saved_by_watch", step=self.progress.step, path=where)
-        self.metrics.warn(f"state of step {self.progress.step} saved ({where}); exiting for torchrun to restart")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_codes.RESTART)
+        if owner == "watch":
+            self.metrics.event("saved_by_watch", step=self.progress.step, path=where)
+            self.metrics.warn(f"state of step {self.progress.step} saved ({where}); exiting for torchrun to restart")
+        return where
 
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
