@@ -32,7 +32,7 @@ KUSTOMIZE = REPO / "deploy" / "kustomize"
 OVERLAYS = KUSTOMIZE / "overlays"
 DEFAULT_OVERLAY = "gpu"
 K8S_DIR = REPO / "k8s"
-BASE_IMAGE_NAME = "registry.example.com/elastic-mnist"  # what base/kustomization.yaml's images: sets
+BASE_IMAGE_NAME = "elastic-mnist"  # the image name base/kustomization.yaml's images: tags (elastic-mnist:0.1.0)
 
 # Output file per app.kubernetes.io/component; the number orders `kubectl apply -f k8s`.
 FILES = {
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlay", default=DEFAULT_OVERLAY, help=f"variant to render (default {DEFAULT_OVERLAY})")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory to write split files into (default k8s/ for the default overlay)")
-    parser.add_argument("--image", help="REGISTRY/elastic-mnist@sha256:DIGEST instead of the placeholder")
+    parser.add_argument("--image",
+                        help="REGISTRY/elastic-mnist@sha256:DIGEST instead of the kind tag elastic-mnist:0.1.0")
     parser.add_argument("--loaded", action="store_true",
                         help="--image NAME:TAG was loaded into every node (kind load docker-image): never pull it")
     parser.add_argument("--check", action="store_true", help="compare k8s/ with the rendering; write nothing")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import load_render, tool
+from conftest import load_render, tool, worker_env
 from k8s_manifests import (
     JOB_UID,
     all_containers,
@@ -53,6 +53,7 @@ K8S_VERSION = "1.33.0"  # the oldest release with everything the Job uses GA; st
 render = load_render()
 VARIANTS = render.overlays()
 GPU_VARIANTS = [v for v in VARIANTS if v != "cpu"]
+CLOUD_VARIANTS = ("gke", "eks", "aks")  # multi-node clusters: the shared claim is ReadWriteMany there
 
 
 def torchrun_split(args: list[str]):
@@ -322,7 +323,7 @@ def test_volume_mounts_hold_the_trainer_paths(variant, variants):
         else:
             claim = volume["persistentVolumeClaim"]["claimName"]
             pvc = find(docs, "PersistentVolumeClaim", claim)
-            assert pvc["spec"]["accessModes"] == (["ReadWriteOnce"] if variant == "cpu" else ["ReadWriteMany"])
+            assert pvc["spec"]["accessModes"] == (["ReadWriteMany"] if variant in CLOUD_VARIANTS else ["ReadWriteOnce"])
     if node_local:
         assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
         assert not [d for d in docs if d["metadata"]["name"] == "tensorboard"]
@@ -355,11 +356,149 @@ def test_trainer_is_an_elastic_indexed_job(variant, variants):
     rules = spec["podFailurePolicy"]["rules"]
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
-    fail = [r for r in rules if r["action"] == "FailJob"]
-    assert fail == [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [exit_codes.PERMANENT]}}]
     assert preflight.PERMANENT == exit_codes.PERMANENT != exit_codes.TRANSIENT, "preflight exits with the shared codes"
+    assert preflight.NODE_LOCAL == exit_codes.NODE_LOCAL not in (exit_codes.PERMANENT, exit_codes.TRANSIENT)
     assert not [d for d in variants[variant] if d["kind"] == "PodDisruptionBudget"
                 and selects(d["spec"]["selector"], pod_labels(job))], "nothing may block a drain"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_local_ones(variant, variants):
+    """Every onExitCodes rule names its container (without containerName the Job controller matches
+    init containers' exit codes too); 78 (configuration, closed rendezvous) fails the Job from
+    preflight or `elastic-mnist pod`; preflight's node-local code fails only the index."""
+    job = trainer_job(variants[variant])
+    names = {c["name"] for c in all_containers(job)}
+    rules = [r for r in job["spec"]["podFailurePolicy"]["rules"] if "onExitCodes" in r]
+    for r in rules:
+        assert r["onExitCodes"].get("containerName") in names, f"{variant}: {r} matches every container"
+        assert r["onExitCodes"]["operator"] == "In", r
+    by_action: dict[str, set] = {}
+    for r in rules:
+        for code in r["onExitCodes"]["values"]:
+            by_action.setdefault(r["action"], set()).add((r["onExitCodes"]["containerName"], code))
+    assert by_action == {
+        "FailJob": {("preflight", exit_codes.PERMANENT), ("trainer", exit_codes.PERMANENT)},
+        "FailIndex": {("preflight", exit_codes.NODE_LOCAL)},
+    }
+    # FailIndex is only valid (and only means "this index") with a per-index backoff limit.
+    assert job["spec"]["backoffLimitPerIndex"] >= 1
+
+
+def _checks_cuda(doc: dict, c: dict) -> bool:
+    """Whether the container's argv runs a CUDA check: preflight, or a trainer whose --backend can pick
+    NCCL (nccl, or auto on a node with a GPU)."""
+    args = argv(doc, c)
+    if args[:2] == ["elastic-mnist", "preflight"]:
+        return True
+    backends = [a.split("=", 1)[1] for a in args if a.startswith("--backend=")]
+    return args[:2] == ["elastic-mnist", "pod"] and bool(set(backends) & {"nccl", "auto"})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_container_that_checks_cuda_gets_the_gpu(variant, variants):
+    """A device plugin exposes /dev/nvidia* only to containers that request nvidia.com/gpu: preflight's
+    CUDA check would fail (and fail the index) on a healthy GPU node without its own request."""
+    job = trainer_job(variants[variant])
+    trainer_gpus = container(job, "trainer")["resources"]["limits"].get("nvidia.com/gpu")
+    checking = [c for c in all_containers(job) if _checks_cuda(job, c)]
+    assert "preflight" in {c["name"] for c in checking}
+    for c in checking:
+        program = argv(job, c)
+        backend = program[program.index("elastic_mnist.train") + 1:]
+        needs_gpu = parse_args(backend).backend in ("nccl", "auto")
+        gpus = {kind: c["resources"][kind].get("nvidia.com/gpu") for kind in ("requests", "limits")}
+        if variant in GPU_VARIANTS:
+            assert needs_gpu and gpus == {"requests": 1, "limits": 1}, f"{variant}/{c['name']}: {gpus}"
+            # An init container's request does not add to the pod's: max(init, sum(app)) = the trainer's.
+            assert gpus["limits"] <= trainer_gpus
+        else:
+            assert not needs_gpu and gpus == {"requests": None, "limits": None}, f"{variant}/{c['name']}"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a node without a GPU")
+def test_preflight_of_the_manifest_on_a_node_without_a_gpu_fails_the_index_not_the_job(
+        variants, small_mnist, tmp_path):
+    """The default variant's preflight argv (--backend=nccl), run as a process on this GPU-less machine
+    with its volumes mapped to local directories: one line for the device, the node-local code."""
+    job = trainer_job(variants[render.DEFAULT_OVERLAY])
+    args = argv(job, container(job, "preflight"))
+    assert "--backend=nccl" in args
+
+    def local(a: str) -> str:
+        name, sep, value = a.partition("=")
+        for mount, here in (("/data/mnist", small_mnist), ("/data", str(tmp_path / "data"))):
+            if sep and under(value, mount):
+                return f"{name}={here}{value[len(mount):]}"
+        return a
+
+    run = subprocess.run([sys.executable, "-m", "elastic_mnist", "preflight", *map(local, args[2:])],
+                         capture_output=True, text=True, timeout=180, env=worker_env(), cwd=REPO)
+    failed = [line for line in run.stdout.splitlines() if "FAILED" in line]
+    assert run.returncode == exit_codes.NODE_LOCAL != exit_codes.PERMANENT, run.stdout + run.stderr
+    assert len(failed) == 1 and failed[0].startswith("preflight: device: FAILED") and "no CUDA device" in failed[0]
+    rule = [r for r in job["spec"]["podFailurePolicy"]["rules"] if run.returncode in
+            r.get("onExitCodes", {}).get("values", []) and r["onExitCodes"]["containerName"] == "preflight"]
+    assert [r["action"] for r in rule] == ["FailIndex"]
+
+
+# ------------------------------------------------------------------------------- the first apply (kind)
+
+PLACEHOLDERS = ("example.com", "CHANGE_ME", "TODO")
+
+
+def test_k8s_dir_has_no_placeholder():
+    for path in sorted(K8S.glob("*.yaml")):
+        text = path.read_text()
+        for word in PLACEHOLDERS:
+            assert word.lower() not in text.lower(), f"{path.name} holds {word!r}"
+
+
+def _documented_kind_tags(text: str) -> tuple[set[str], set[str]]:
+    built = set(re.findall(r"docker build [^\n]*?-t (\S+)", text))
+    loaded = set(re.findall(r"kind load docker-image (\S+)", text))
+    return built, loaded
+
+
+def test_k8s_image_is_the_one_the_documented_build_produces(committed):
+    """`kubectl apply -f k8s` on kind works only if k8s/ names the tag that the documented
+    `docker build -t` produces and `kind load docker-image` loads, and the kubelet never pulls it."""
+    images = {(c["image"], c["imagePullPolicy"]) for w in workloads(committed) for c in all_containers(w)
+              if "etcd:" not in c["image"]}
+    assert len(images) == 1, images
+    ((image, policy),) = images
+    assert policy == "IfNotPresent" and not image.endswith(":latest") and "/" not in image, image
+    for doc in (REPO / "README.md", REPO / "docs" / "kubernetes.md"):
+        built, loaded = _documented_kind_tags(doc.read_text())
+        assert image in built and image in loaded, f"{doc.name}: build {built}, kind load {loaded}; k8s/ has {image}"
+
+
+def test_default_claims_work_on_a_single_node_local_path_class(committed):
+    """kind's default class `standard` (rancher local-path) provisions only ReadWriteOnce: the default
+    rendering's claims must ask for nothing else and name no class (the default one serves them).
+    ReadWriteOnce is per node: this is for a single-node cluster; the cloud variants are multi-node."""
+    claims = [d["spec"] for d in committed if d["kind"] == "PersistentVolumeClaim"]
+    claims += [t["spec"] for d in committed if d["kind"] == "StatefulSet" for t in d["spec"]["volumeClaimTemplates"]]
+    assert len(claims) == 2
+    for spec in claims:
+        assert spec["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in spec, spec
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    assert "single-node" in text and "ReadWriteOnce" in text
+
+
+@pytest.mark.parametrize("variant", CLOUD_VARIANTS)
+def test_cloud_etcd_volume_has_a_class_where_there_is_no_default(variant, variants):
+    """GKE (standard-rwo) and AKS (managed-csi) have a default StorageClass; EKS clusters created on
+    1.30 or later have none, so etcd's claim names one the variant creates."""
+    docs = variants[variant]
+    (template,) = find(docs, "StatefulSet", "etcd")["spec"]["volumeClaimTemplates"]
+    name = template["spec"].get("storageClassName")
+    if variant == "eks":
+        sc = find(docs, "StorageClass", name)
+        assert sc["provisioner"] == "ebs.csi.aws.com" and sc["volumeBindingMode"] == "WaitForFirstConsumer"
+        assert template["spec"]["accessModes"] == ["ReadWriteOnce"]
+    else:
+        assert name is None
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,5 +1,6 @@
-"""`elastic-mnist preflight`: one line per check, exit 78 for what no retry fixes, 75 for an etcd that
-stays unreachable, 0 when all is well or the job already finished. Real files, real etcd.
+"""`elastic-mnist preflight`: one line per check, exit 78 for what no retry on any node fixes, 69 for what
+this node lacks (GPU, a writable checkpoint dir, /dev/shm), 75 for an etcd that stays unreachable, 0 when
+all is well or the job already finished. Real files, real etcd.
 
     python -m pytest -q tests/test_preflight.py
 """
@@ -17,7 +18,8 @@ import torch
 from conftest import REPO, worker_env
 
 from elastic_mnist.etcd.server import free_port
-from elastic_mnist.ops.preflight import PERMANENT, TRANSIENT, parse_launch, run_checks
+from elastic_mnist.ops import preflight
+from elastic_mnist.ops.preflight import NODE_LOCAL, PERMANENT, TRANSIENT, parse_launch, run_checks
 
 
 def launch_for(endpoint: str, data: str, ckpt: Path, *extra: str, backend: str = "etcd-v3", wait: float = 5):
@@ -45,7 +47,7 @@ def test_the_pods_torchrun_arguments_are_understood_word_for_word():
 def test_all_checks_pass_on_a_good_setup(etcd_server_v3only, small_mnist, tmp_path):
     code, lines = checks(launch_for(etcd_server_v3only.endpoint, small_mnist, tmp_path / "ckpt"))
     assert code == 0, lines
-    assert [line.split(":")[1].strip() for line in lines] == ["data", "checkpoints", "device", "etcd"]
+    assert [line.split(":")[1].strip() for line in lines] == ["data", "checkpoints", "shm", "device", "etcd"]
     assert all(": ok: " in line for line in lines) and "2000 train, 500 test" in lines[0]
     assert os.listdir(tmp_path / "ckpt") == [], "the publish probe leaves nothing behind"
 
@@ -67,19 +69,27 @@ def test_a_truncated_mnist_file_is_permanent(small_mnist, tmp_path):
     assert code == PERMANENT and "cannot be decoded" in failed(lines)[0] and "truncated" in failed(lines)[0], lines
 
 
-def test_an_unwritable_checkpoint_dir_is_permanent(small_mnist, tmp_path):
+def test_an_unwritable_checkpoint_dir_is_node_local(small_mnist, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     code, lines = checks(launch_for("127.0.0.1:1", small_mnist, blocker / "ckpt"))
-    assert code == PERMANENT and "checkpoints: FAILED" in failed(lines)[0] and "not writable" in failed(lines)[0]
+    assert code == NODE_LOCAL != PERMANENT and "checkpoints: FAILED" in failed(lines)[0], lines
+    assert "not writable" in failed(lines)[0]
     assert blocker.read_text() == "x"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a node without a GPU")
-def test_nccl_without_a_gpu_is_permanent(small_mnist, tmp_path):
+def test_nccl_without_a_gpu_is_node_local(small_mnist, tmp_path):
     launch = launch_for("127.0.0.1:1", small_mnist, tmp_path / "ckpt", "--backend=nccl")
     code, lines = checks(launch)
-    assert code == PERMANENT and "no CUDA device" in failed(lines)[0], lines
+    assert code == NODE_LOCAL and "no CUDA device" in failed(lines)[0] and "exit 69" in failed(lines)[0], lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
+def test_an_unwritable_dev_shm_is_node_local(small_mnist, tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight, "SHM", str(tmp_path / "no-shm"))  # a /dev/shm that is not there
+    code, lines = checks(launch_for("127.0.0.1:1", small_mnist, tmp_path / "ckpt"))
+    assert code == NODE_LOCAL and failed(lines)[0].startswith("preflight: shm: FAILED (this node"), lines
 
 
 @pytest.mark.gpu
@@ -87,7 +97,7 @@ def test_nccl_without_a_gpu_is_permanent(small_mnist, tmp_path):
 def test_nccl_with_a_gpu_passes_the_device_check(small_mnist, tmp_path, etcd_server_v3only):
     launch = launch_for(etcd_server_v3only.endpoint, small_mnist, tmp_path / "ckpt", "--backend=nccl")
     code, lines = checks(launch)
-    assert code == 0 and "CUDA device(s)" in lines[2], lines
+    assert code == 0 and "CUDA device(s)" in lines[3], lines
 
 
 def test_bad_train_flags_are_permanent(tmp_path):

@@ -5,15 +5,20 @@
 
 The second form takes a pod's torchrun arguments word for word (the Kubernetes init container does).
 One line per check. Exit 0: all good, or the job already finished (nothing to do). Exit 78
-(PERMANENT): retrying cannot help: fix the configuration, or (rendezvous closed before the job
-finished) start a new Job; the Job's podFailurePolicy fails the Job on it. Exit 75 (TRANSIENT): etcd
-still unreachable after --wait seconds of retrying with backoff.
+(PERMANENT): retrying cannot help on any node: fix the configuration (flags, --rdzv-conf, MNIST on
+the shared volume, etcd's API), or (rendezvous closed before the job finished) start a new Job; the
+Job's podFailurePolicy fails the Job on it. Exit 69 (NODE_LOCAL): this node lacks something another
+node may have (no CUDA device for nccl, the checkpoint dir not writable from here, no usable
+/dev/shm); the podFailurePolicy fails this pod's index only. Exit 75 (TRANSIENT): etcd still
+unreachable after --wait seconds of retrying with backoff.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import signal
 import sys
 import time
@@ -24,10 +29,11 @@ from pathlib import Path
 
 from elastic_mnist.config import parse_args
 from elastic_mnist.errors import UserError
-from elastic_mnist.exit_codes import OK, PERMANENT, TRANSIENT, killed_by
+from elastic_mnist.exit_codes import NODE_LOCAL, OK, PERMANENT, TRANSIENT, killed_by
 from elastic_mnist.rendezvous.conf import CONNECTION_KEYS, SCHEMA, parse_conf
 
-__all__ = ["PERMANENT", "SCHEMA", "TRANSIENT", "Launch", "closed_line", "finished_line", "main", "parse_launch",
+__all__ = ["NODE_LOCAL", "PERMANENT", "SCHEMA", "TRANSIENT", "Launch",
+           "closed_line", "finished_line", "main", "parse_launch",
            "run_checks"]
 BACKENDS = ("etcd-v3", "etcd")
 # What preflight reads from --rdzv-conf: how to reach etcd, and the secret the state is sealed with.
@@ -36,6 +42,10 @@ CONN_KEYS = (*CONNECTION_KEYS, "secret_file")
 
 class Permanent(Exception):
     """A check failed in a way no retry fixes; the message names the cause and the fix."""
+
+
+class NodeLocal(Exception):
+    """A check failed because of this node (its devices, its mounts); a pod on another node may pass."""
 
 
 class Transient(Exception):
@@ -136,7 +146,9 @@ def check_checkpoints(config) -> str:
     try:
         method = ensure_writable(config.checkpoint_dir)
     except UserError as e:
-        raise Permanent(str(e)) from None
+        # This node's mount of the volume (or its local disk) refuses the write: node-local. On a
+        # shared volume every node fails it, every index fails and with them the Job.
+        raise NodeLocal(str(e)) from None
     return f"{config.checkpoint_dir} writable, publish by {method}"
 
 
@@ -146,9 +158,28 @@ def check_device(config) -> str:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        raise Permanent("--backend nccl but no CUDA device is visible; request nvidia.com/gpu for the pod "
-                        "(or use the cpu variant / --backend gloo)")
+        raise NodeLocal("--backend nccl but no CUDA device is visible on this node; the container must "
+                        "request nvidia.com/gpu (or use the cpu variant / --backend gloo)")
     return f"{torch.cuda.device_count()} CUDA device(s), {torch.cuda.get_device_name(0)}"
+
+
+SHM = "/dev/shm"
+
+
+def check_shm(config) -> str:
+    """torch's shared-memory tensors, NCCL and the in-memory snapshots live in /dev/shm (Linux)."""
+    shm = SHM
+    if not sys.platform.startswith("linux"):
+        return f"{sys.platform}: no {shm} to check"
+    probe = Path(shm) / f".preflight-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise NodeLocal(f"{shm} is not writable on this node ({e.strerror or e}); mount a memory-backed "
+                        "emptyDir there") from None
+    free = shutil.disk_usage(shm).free
+    return f"{shm} writable, {free // 2**20} MiB free"
 
 
 def check_etcd(launch: Launch) -> str:
@@ -203,12 +234,16 @@ def run_checks(launch: Launch, say=print) -> int:
     if done:
         say(f"preflight: {done}")
         return OK
-    for name, check in (("data", check_data), ("checkpoints", check_checkpoints), ("device", check_device)):
+    checks = (("data", check_data), ("checkpoints", check_checkpoints), ("shm", check_shm), ("device", check_device))
+    for name, check in checks:
         try:
             say(f"preflight: {name}: ok: {check(config)}")
         except Permanent as e:
             say(f"preflight: {name}: FAILED (permanent, exit {PERMANENT}): {e}")
             return PERMANENT
+        except NodeLocal as e:
+            say(f"preflight: {name}: FAILED (this node, exit {NODE_LOCAL}): {e}")
+            return NODE_LOCAL
     return _wait_for_etcd(launch, say)
 
 
