@@ -76,6 +76,16 @@ def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float
 from etcd_fixtures import etcd_server, etcd_server_auth, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """The backend, created in-process by some tests, sets what an agent hands its workers in os.environ
+    (the secret file, torch's store switch): each test starts from the environment the session had."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/e2e/ is slow (real etcd + torchrun scenarios): `-m "not slow"` is the fast tier."""
     for item in items:

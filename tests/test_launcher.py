@@ -13,6 +13,7 @@ from elastic_mnist.errors import UserError
 from elastic_mnist.local.launcher import Launcher, given_fields, parse
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import child_env
+from elastic_mnist.state import snapshots
 
 
 def _config(*argv: str, run_dir) -> TrainConfig:
@@ -53,7 +54,8 @@ def _launcher(tmp_path, *argv: str) -> Launcher:
 def test_each_node_gets_its_own_memory_and_with_local_storage_its_own_disk(tmp_path):
     launcher = _launcher(tmp_path, "--checkpoint-storage", "local")
     n0, n1 = launcher.node_config("n0"), launcher.node_config("n1")
-    assert n0.snapshot_dir != n1.snapshot_dir and n0.snapshot_dir.endswith(os.path.join(launcher.run_id, "n0"))
+    assert n0.snapshot_dir != n1.snapshot_dir
+    assert n0.snapshot_dir.endswith(os.path.join(f"local-{snapshots.run_name(launcher.run_id)}", "n0"))
     assert n0.checkpoint_dir == str(tmp_path / "nodes" / "n0" / "checkpoints")
     assert parse_args(n1.to_argv()) == n1, "what a node's torchrun receives rebuilds its config"
 

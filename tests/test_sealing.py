@@ -16,6 +16,7 @@ from etcd_fixtures import raw_client, rdzv_params, state_bits
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous._state import seal
@@ -94,3 +95,4 @@ def test_the_rendezvous_is_not_fooled_by_a_replayed_round(tmp_path, etcd_server_
     for node in (handler, second):
         with pytest.raises(RendezvousStateError, match="replay"):
             node.num_nodes_waiting()
+        compat.stop_heartbeats(node)  # no keep-alive timer outlives the test's etcd

@@ -22,6 +22,7 @@ from etcd_fixtures import etcd_server_auth, rdzv_params, state_bits  # noqa: F40
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import UserError
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for
@@ -128,6 +129,7 @@ def test_without_a_secret_a_malicious_pickle_is_still_refused(tmp_path: Path, au
     assert not marker.exists()
     assert handler.shutdown() is False  # closing reads the state too: refused again, still nothing executed
     assert not marker.exists()
+    compat.stop_heartbeats(handler)  # no keep-alive timer outlives the test's etcd
 
 
 def test_sealed_state_binds_the_secret_and_the_key(tmp_path: Path, auth_etcd: EtcdServer) -> None:

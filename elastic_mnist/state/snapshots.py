@@ -110,7 +110,7 @@ def sweep_temps(directory: str, min_age_s: float = 0.0) -> list[str]:
     removed, now = [], time.time()
     try:
         names = [n for n in os.listdir(directory) if n.startswith(".") and ".tmp-" in n]
-    except FileNotFoundError:
+    except OSError:  # not there (yet), or not a directory: whoever uses it reports that, with the fix
         return []
     for name in names:
         path = os.path.join(directory, name)
