@@ -58,7 +58,9 @@ def test_a_worker_never_outlives_its_agent_and_saves_on_the_way_out(small_mnist,
     cmd = procs.torchrun_command(["--standalone", "--nproc-per-node=1"], [
         "--data-dir", small_mnist, "--max-steps", "100000", "--min-step-time", "0.05", "--checkpoint-every", "0",
         "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs"),
-        "--sample-log", str(tmp_path / "samples")])
+        "--sample-log", str(tmp_path / "samples"),
+        # a worker stopped by its agent's death keeps its snapshots for a restart: this test's own memory
+        "--snapshot-dir", str(tmp_path / "shm")])
     log = open(tmp_path / "agent.log", "wb")
     agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=procs.child_env(), cwd=REPO,
                              start_new_session=True)
