@@ -51,6 +51,12 @@ class TrainConfig:
     # hold-cosine on MNIST: >= 98.4% test accuracy after 10 epochs, > 96.5% after 1.
     lr_schedule: str = "hold-cosine"
     """hold-cosine: --lr for half of --epochs, then a cosine decay to 0; cosine: decay throughout; constant: --lr."""
+    precision: str = "fp32"
+    """fp32; bf16: autocast to bfloat16 (CPU or GPU); fp16: autocast to float16 with a checkpointed GradScaler."""
+    grad_clip: float = 0.0
+    """Clip the gradient's global norm to this before each optimizer step (fp16: after unscaling; 0: off)."""
+    grad_accum: int = 1
+    """Micro-batches each rank splits its share of a global step into (the step's samples stay the same)."""
     hidden: int = 512
     """Width of the MLP's hidden layer (784-HIDDEN-10)."""
     seed: int = 0
@@ -102,6 +108,11 @@ class TrainConfig:
             raise UserError(f"--max-steps must be >= 0 (0 = no limit), got {self.max_steps}")
         if self.lr_schedule not in ("hold-cosine", "cosine", "constant"):
             raise UserError(f"--lr-schedule must be hold-cosine, cosine or constant, got {self.lr_schedule!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise UserError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.grad_clip < 0 or self.grad_accum < 1:
+            raise UserError(f"--grad-clip must be >= 0 (0 = off) and --grad-accum >= 1, got {self.grad_clip} and "
+                            f"{self.grad_accum}")
         if self.lr <= 0 or self.hidden <= 0:
             raise UserError("--lr and --hidden must be positive")
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -99,13 +99,36 @@ from elastic_mnist.worker.model import build_model
 from elastic_mnist.worker.optim import Adam
 model = build_model(512, 0)
 opt = Adam(model.parameters(), lr=1e-3)
-F.nll_loss(model(torch.randn(8, 784)), torch.zeros(8, dtype=torch.long)).backward()
-opt.step()
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)  # what the runtime's default task builds
+scaler = torch.amp.GradScaler("cpu")  # --precision fp16, --grad-clip
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    loss = F.nll_loss(model(torch.randn(8, 784)), torch.zeros(8, dtype=torch.long))
+scaler.scale(loss).backward()
+scaler.unscale_(opt)
+torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+scaler.step(opt)
+scaler.update()
+sched.step()
 opt.load_state_dict(opt.state_dict())
 opt.zero_grad(set_to_none=True)
 assert opt.state_dict()["state"][0]["step"].item() == 1.0
 print("dynamo imported:", "torch._dynamo" in sys.modules)
 """
+
+
+def test_torch_lr_schedulers_drive_it_as_they_drive_torch_adam():
+    """A real torch.optim.Optimizer: torch's schedulers accept it, and the lr they set gives the same bits."""
+    model, opt, ref_model, ref_opt = _pair()
+    assert isinstance(opt, torch.optim.Optimizer)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=12) for o in (opt, ref_opt)]
+    for step, (x, y) in enumerate(_batches(10)):
+        for m, o, sched in zip((model, ref_model), (opt, ref_opt), scheds):
+            o.zero_grad(set_to_none=True)
+            F.nll_loss(m(x), y, reduction="sum").backward()
+            o.step()
+            sched.step()
+    _assert_same(model, opt, ref_model, ref_opt)
+    assert scheds[0].state_dict() == scheds[1].state_dict() and scheds[0].last_epoch == 10
 
 
 def test_no_method_imports_torch_dynamo():

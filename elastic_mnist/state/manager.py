@@ -6,7 +6,7 @@ Built once per (re)start by worker/train.py's build_trainer; the trainer asks it
 `finish`) and never assembles a checkpoint itself. It owns the durable writer (--checkpoint-dir), the in-memory
 snapshot writer (--snapshot-dir), the split-brain fence, the snapshots' origin and lifetime, the
 configuration fingerprint, and the save/restore of the registered state objects (state/registry.py:
-model, optimizer, RNG, progress). File format, verification and publishing live in state/format.py; the
+model, optimizer, scheduler, scaler, RNG, the task's own, progress). File format, verification and publishing live in state/format.py; the
 cross-rank agreement in state/sync.py.
 """
 
@@ -22,11 +22,12 @@ from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sync as state_sync
-from elastic_mnist.state.registry import Progress, Stateful, clone_tree, cpu_snapshot, leaves, load_into
+from elastic_mnist.state.registry import (OBJECTS_KEY, Progress, Stateful, cpu_snapshot, leaves, load_into,
+                                          map_tensors)
 from elastic_mnist.state.snapshotter import Snapshotter
 from elastic_mnist.state.writer import CheckpointWriter
 
-# The objects whose device tensors a failure save takes from the last confirmed step (see confirm_step).
+# The objects whose tensors make up most of a snapshot (its size estimate before the first one).
 _ON_DEVICE = ("model", "optimizer")
 # A temp file in the checkpoint dir younger than this may be another writer's save in progress.
 _LIVE_TEMP_S = 600.0
@@ -47,7 +48,8 @@ class CheckpointManager:
         self.progress = Progress()
         self.steps_per_epoch = 1
         self._confirmed: dict | None = None
-        """A device copy of model and optimizer at the last step every rank finished (see confirm_step)."""
+        """A copy of every registered object's state at the last step every rank finished (see confirm_step)."""
+        self._confirmed_tensors: list | None = None
         self._confirmed_step = -1
         self._keeps_copy = False
 
@@ -115,15 +117,21 @@ class CheckpointManager:
     # -- save -------------------------------------------------------------------------------------
     def confirm_step(self) -> None:
         """Every rank finished the current step. A GPU runs ahead of the host: when a peer is lost, kernels
-        queued behind an aborted collective may still run on garbage, so the failure save uses this device
-        copy (device-to-device, no host sync) of the last confirmed step instead of the live state."""
+        queued behind an aborted collective may still run on garbage, so the failure save uses this copy
+        (device-to-device, no host sync) of the last confirmed step instead of the live state. Every
+        registered object is copied, not only model and optimizer: the scheduler, scaler, RNG and the
+        task's own state must describe the same step as the weights."""
         if not self._keeps_copy:
             return
-        live = {name: self.objects[name].state_dict() for name in _ON_DEVICE}
-        if self._confirmed is None or len(leaves(live)) != len(leaves(self._confirmed)):
-            self._confirmed = clone_tree(live)  # first step, or Adam just created its state
+        live = {name: obj.state_dict() for name, obj in self.objects.items()}
+        tensors, kept = leaves(live), self._confirmed_tensors
+        if kept is None or len(kept) != len(tensors) or any(a.shape != b.shape for a, b in zip(kept, tensors)):
+            kept = self._confirmed_tensors = [t.detach().clone() for t in tensors]  # first step, or new state
         else:
-            compat.foreach_copy_(leaves(self._confirmed), leaves(live))
+            compat.foreach_copy_(kept, tensors)
+        copies = iter(kept)
+        # The same structure with the copies in place of the live tensors (numbers are values already).
+        self._confirmed = map_tensors(live, lambda _t: next(copies))
         self._confirmed_step = self.progress.step
 
     def capture(self, confirmed: bool = False) -> dict:
@@ -136,7 +144,7 @@ class CheckpointManager:
             parts.update(self._confirmed)
         epoch, position = divmod(step, self.steps_per_epoch)
         return cpu_snapshot({
-            "step": step, "epoch": epoch, "position": position, **parts,
+            "step": step, "epoch": epoch, "position": position, **parts, OBJECTS_KEY: sorted(parts),
             "config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.env.world_size,
             "run_id": self.env.run_id, "origin": self.snapshot.origin, "saved_at": time.time(),
         })

@@ -1,6 +1,8 @@
 """The training state as a registry of objects with `state_dict()` / `load_state_dict()` (torch's
-Stateful idea): the model, the optimizer, the RNG and the progress counters, each under its name. The
-checkpoint manager saves and restores whatever is registered; it never assembles state by hand.
+Stateful idea): the model, the optimizer, the LR scheduler, the GradScaler, the RNG (CPU and every CUDA
+device), the progress counters and whatever a Task adds (`Task.extra_state`: an EMA, a counter), each
+under its name. The checkpoint manager saves and restores whatever is registered; it never assembles
+state by hand. A checkpoint records the names it holds, so one of another set of objects is refused.
 
     python -c "from elastic_mnist.state.registry import Progress; p = Progress(); print(p.state_dict())"
 """
@@ -45,23 +47,40 @@ class Progress:
 
 
 class RngState:
-    """The CPU generator, so a resumed run draws what an uninterrupted one would."""
+    """The CPU generator and, where CUDA is initialized, every device's generator, so a resumed run draws
+    what an uninterrupted one would (dropout, random augmentation)."""
 
     def state_dict(self) -> dict:
-        return {"torch": torch.get_rng_state()}
+        state = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initializes CUDA itself
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         torch.set_rng_state(state["torch"])
+        cuda = state.get("cuda") or []
+        if cuda and torch.cuda.is_available():
+            # A node with fewer devices than the saver restores the ones it has.
+            for device, rng in enumerate(cuda[:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(rng, device)
+
+
+OBJECTS_KEY = "objects"
+"""The checkpoint key that lists the registered names it holds state for."""
 
 
 def load_into(objects: dict[str, Stateful], state: dict, source: str) -> None:
-    """Every registered object from its part of `state`; a state that lacks one is refused before any is
-    loaded (a checkpoint of another set of objects must not half-load)."""
-    missing = sorted(set(objects) - set(state))
-    if missing:
-        raise UserError(f"checkpoint {source} holds no state for {', '.join(missing)} (it has "
-                        f"{', '.join(sorted(k for k in state if k in objects))}): it was saved by another task. "
-                        "Use a different --checkpoint-dir for this one (nothing was deleted)")
+    """Every registered object from its part of `state`; a state of another set of objects (one missing,
+    or one more that this run would drop) is refused before any is loaded: it must not half-load."""
+    saved = set(state.get(OBJECTS_KEY, [k for k in state if k in objects]))
+    missing, extra = sorted(set(objects) - saved - {k for k in state if k in objects}), sorted(saved - set(objects))
+    if missing or extra:
+        parts = ([f"holds no state for {', '.join(missing)}"] if missing else []) + (
+            [f"holds state for {', '.join(extra)} that this run does not register"] if extra else [])
+        raise UserError(f"checkpoint {source} {' and '.join(parts)} (it has {', '.join(sorted(saved))}; this run "
+                        f"registers {', '.join(sorted(objects))}): it was saved by another task or another "
+                        "Task.extra_state. Use a different --checkpoint-dir for this one, or the task that wrote "
+                        "it (nothing was deleted)")
     for name, obj in objects.items():
         obj.load_state_dict(state[name])
 
@@ -88,6 +107,3 @@ def leaves(tree) -> list[torch.Tensor]:
     map_tensors(tree, found.append)
     return found
 
-
-def clone_tree(tree):
-    return map_tensors(tree, lambda t: t.detach().clone())

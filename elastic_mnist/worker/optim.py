@@ -8,8 +8,10 @@ about a second on every worker start, on the path a resume after a kill has to b
 torch.optim.Adam's default update (no weight decay, no amsgrad, not maximizing, not capturable, one
 tensor at a time as torch does for CPU tensors) with the same operations in the same order, so CPU results
 are bit-for-bit equal, and it reads and writes torch.optim.Adam's state_dict format, so checkpoints move
-between the two either way. It is deliberately not a torch.optim.Optimizer subclass: the base
-constructor is what calls the wrapped `add_param_group`.
+between the two either way. It is a torch.optim.Optimizer subclass, so torch's LR schedulers and
+GradScaler accept it, and it overrides every method the base class wraps in `torch._disable_dynamo`
+(`add_param_group`, which the base constructor calls, `state_dict`, `load_state_dict`, `zero_grad`):
+none of them is ever reached, so nothing imports torch._dynamo (tests/test_optim.py checks it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _IGNORED_OPTIONS = ("foreach",)  # how torch would batch the kernels, not what t
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
-class Adam:
+class Adam(torch.optim.Optimizer):
     """torch.optim.Adam(params, lr, betas, eps) with its defaults for every other option."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -38,16 +40,15 @@ class Adam:
         if not lr >= 0.0 or not eps >= 0.0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"Adam needs lr >= 0, eps >= 0 and 0 <= betas < 1; got lr={lr}, betas={betas}, "
                              f"eps={eps}")
-        self.defaults = {"lr": lr, "betas": (float(betas[0]), float(betas[1])), "eps": eps, **_FIXED_OPTIONS}
-        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-        self.param_groups: list[dict[str, Any]] = []
         groups = list(params)
         if not groups:
             raise ValueError("Adam got an empty parameter list: pass model.parameters() of a model with parameters")
-        for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
-            self.add_param_group(group)
+        # The base constructor sets the hooks torch's schedulers and profiler expect, then calls our
+        # add_param_group for each group.
+        super().__init__(groups, {"lr": lr, "betas": (float(betas[0]), float(betas[1])), "eps": eps,
+                                  **_FIXED_OPTIONS})
 
-    def add_param_group(self, group: dict[str, Any]) -> None:
+    def add_param_group(self, group: dict[str, Any]) -> None:  # type: ignore[override]
         """A group's own options win over the constructor's; any tensor may sit in one group only."""
         params = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         taken = {id(p) for g in self.param_groups for p in g["params"]}
@@ -100,7 +101,7 @@ class Adam:
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
         p.addcdiv_(exp_avg, denom, value=-step_size)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -115,7 +116,7 @@ class Adam:
                 p.grad.zero_()
 
     # -- state_dict: torch.optim.Adam's format ---------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{options..., "params":
         [indices]}]}: the live tensors, not copies (as torch returns them; savers copy)."""
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -124,7 +125,7 @@ class Adam:
         state = {index[id(p)]: dict(s) for p, s in self.state.items()}
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state_dict of ours or of torch.optim.Adam. Everything is checked before anything
         changes: a mismatch raises one ValueError and leaves this optimizer as it was."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():

@@ -11,6 +11,8 @@ which also keeps its buffers in step across ranks.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +37,10 @@ class DataParallel:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        """Backward without DDP's all-reduce (gradient accumulation's early micro-batches)."""
+        return self.module.no_sync() if self.uses_ddp else nullcontext()
 
     def average_gradients(self) -> None:
         if self.world_size == 1 or self.uses_ddp:

@@ -32,15 +32,17 @@ from elastic_mnist.metrics import Metrics, process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
-from elastic_mnist.state.registry import RngState, cpu_snapshot
+from elastic_mnist.state.registry import RngState, Stateful, cpu_snapshot
 from elastic_mnist.worker.control import ControlPlane, StopRequest
-from elastic_mnist.worker.task import MnistMLP, Task
+from elastic_mnist.worker.step import ScalerState
+from elastic_mnist.worker.task import RUNTIME_STATE, MnistMLP, Task
 from elastic_mnist.worker.trainer import Learner, Reporting, Trainer
 
 
 def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitStack, device=None,
                   marks: dict | None = None) -> Trainer:
-    """Data, model, optimizer and the checkpoint manager, restored from the newest state there is. The
+    """Data, model, optimizer, scheduler, scaler, the task's own state and the checkpoint manager, restored
+    from the newest state there is. The
     one way a Trainer is built: the worker below and the tests and benchmarks in one process alike."""
     device, marks = device or torch.device("cpu"), {} if marks is None else marks
     runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
@@ -51,17 +53,40 @@ def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitSta
     marks["data"] = time.time()
     plan = BatchPlan(len(train), config.global_batch_size, config.seed)
     model = task.build_model(config).to(device)
-    learner = Learner(task, model, task.build_optimizer(model, config))
+    learner = _learner(task, model, config, plan.steps_per_epoch)
     fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
     key = checkpoint.checkpoint_key(job_secret.from_env())  # None for a job without a secret
     manager = CheckpointManager(config, env, metrics, fingerprint, key)
     stack.callback(manager.close)
-    state = {"model": model, "optimizer": learner.optimizer, "rng": RngState()}
-    manager.restore(state, learner.progress, plan.steps_per_epoch)
+    manager.restore(_registry(learner, config), learner.progress, plan.steps_per_epoch)
     marks["resumed"] = time.time()
     metrics.open_tensorboard(learner.progress.step)
     inputs = build_inputs(train, test, plan, env.world_size, env.rank, device, config.num_workers)
     return Trainer(config, env, learner, inputs, plan, manager, Reporting(metrics, runlog, marks), control)
+
+
+def _learner(task: Task, model, config, steps_per_epoch: int) -> Learner:
+    optimizer = task.build_optimizer(model, config)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"{type(task).__name__}.build_optimizer returned a {type(optimizer).__name__}, not a "
+                        "torch.optim.Optimizer: return one (torch's LR schedulers and GradScaler need it)")
+    scheduler = task.build_scheduler(optimizer, config, steps_per_epoch)
+    scaler = ScalerState(config.precision, next(model.parameters()).device.type)
+    return Learner(task, model, optimizer, scheduler, scaler)
+
+
+def _registry(learner: Learner, config) -> dict[str, Stateful]:
+    """Every stateful object, by name: the runtime's, then the task's own (Task.extra_state)."""
+    state: dict[str, Stateful] = {"model": learner.model, "optimizer": learner.optimizer, "scaler": learner.scaler,
+                                  "rng": RngState()}
+    if learner.scheduler is not None:
+        state["scheduler"] = learner.scheduler
+    extra = learner.task.extra_state(learner.model, learner.optimizer, config)
+    taken = sorted(set(extra) & set(RUNTIME_STATE))
+    if taken:
+        raise UserError(f"{type(learner.task).__name__}.extra_state uses the name(s) {', '.join(taken)}, which the "
+                        f"runtime registers itself ({', '.join(RUNTIME_STATE)}): pick other names")
+    return {**state, **extra}
 
 
 def _train(trainer: Trainer, config, env) -> int:

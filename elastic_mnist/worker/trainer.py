@@ -1,5 +1,5 @@
-"""The training loop: world-size-invariant batches, loss weighting for uneven shares, the per-step
-agreement on the control plane, epoch-end evaluation, and what a rank does when a peer is lost. Built by
+"""The training loop: world-size-invariant batches (the step's math, with precision, accumulation and
+clipping, is worker/step.py), the per-step agreement on the control plane, epoch-end evaluation, and what a rank does when a peer is lost. Built by
 worker/train.py's build_trainer; knows nothing of etcd, and asks the checkpoint manager (state/manager.py)
 what to save instead of assembling checkpoints itself.
 
@@ -8,7 +8,6 @@ what to save instead of assembling checkpoints itself.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,17 +28,21 @@ from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.failure import Bounds, FailureHandoff
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.parallel import DataParallel
+from elastic_mnist.worker.step import ScalerState, StepMath
 from elastic_mnist.worker.task import Task
 
 
 @dataclass
 class Learner:
-    """What is trained: the task (loss, what counts as correct), its model and optimizer, and how far it got
-    (the one Progress of this process, which the checkpoint manager loads in place)."""
+    """What is trained: the task (loss, what counts as correct), its model, optimizer, LR scheduler and
+    GradScaler, and how far it got (the one Progress of this process, which the checkpoint manager loads
+    in place)."""
 
     task: Task
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    scaler: ScalerState
     progress: Progress = field(default_factory=Progress)
 
 
@@ -59,6 +62,7 @@ class Trainer:
         self.config, self.env, self.rank, self.world_size = config, env, env.rank, env.world_size
         self.task, self.model, self.optimizer = learner.task, learner.model, learner.optimizer
         self.replicas = DataParallel(self.model, env.world_size)
+        self.math = StepMath(config, learner.task, self.replicas, self.optimizer, learner.scheduler, learner.scaler)
         self.inputs, self.plan = inputs, plan
         self.checkpoints, self.report, self.metrics, self.control = checkpoints, report, report.metrics, control
         self.stop = control.stop
@@ -79,13 +83,7 @@ class Trainer:
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of global step `step`; leaves the globally averaged gradient in .grad."""
         x, y, idx = self.inputs.batch(step)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = self.task.loss(self.replicas(x), y)
-        # Gradients are averaged over ranks; scaling by world/B makes that average the mean over the
-        # whole global batch however unevenly it was split.
-        (loss_sum * (self.world_size / self.config.global_batch_size)).backward()
-        self.replicas.average_gradients()
-        return loss_sum.detach(), idx
+        return self.math.forward_backward(x, y), idx
 
     def _agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
         """Global mean loss, and whether any rank was asked to stop (or found the group superseded):
@@ -106,11 +104,11 @@ class Trainer:
             self.faults.reach("data", self.progress.step)
             loss_sum, idx = self.forward_backward(self.progress.step)
             with self._state_lock:
-                self._set_lr(self.progress.step)
-                self.optimizer.step()
+                self.math.apply()  # optimizer and scheduler: the lr is the scheduler's, a function of the step
                 # Counted at once: from here on, model, optimizer and step agree, so a failure in any
                 # later collective still leaves a consistent state to save.
                 self.progress.step += 1
+                self.task.after_step(self.progress.step)
             if self.report.runlog is not None:
                 self.report.runlog.step(self.progress.step - 1, self.plan.position(self.progress.step - 1)[0], idx)
             self.faults.reach("control", self.progress.step - 1)
@@ -123,18 +121,6 @@ class Trainer:
                 break
             self._pace(t0)
         return self._finish()
-
-    def _set_lr(self, step: int) -> None:
-        """The learning rate is a function of the step alone, so a resumed or resized run follows the
-        same schedule as an uninterrupted one (nothing extra to checkpoint). The horizon is --epochs, not
-        --max-steps: stopping early with --max-steps and going on later stays on the same schedule."""
-        lr, horizon = self.config.lr, self.config.epochs * self.plan.steps_per_epoch
-        hold = {"cosine": 0.0, "hold-cosine": 0.5}.get(self.config.lr_schedule)
-        if hold is not None:  # the decay starts after `hold` of the run
-            frac = max(0.0, min(step, horizon) / horizon - hold) / (1 - hold)
-            lr *= 0.5 * (1 + math.cos(math.pi * frac))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def _leave(self) -> None:
         self.stopped_early = True
