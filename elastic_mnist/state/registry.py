@@ -48,7 +48,12 @@ class Progress:
 
 class RngState:
     """The CPU generator and, where CUDA is initialized, every device's generator, so a resumed run draws
-    what an uninterrupted one would (dropout, random augmentation)."""
+    what an uninterrupted one would (dropout, random augmentation). Created just before the restore, it
+    seeds them with `seed`: a fresh run starts from the same RNG state however much the start-up drew
+    (the process group's set-up does, a varying amount); a resume then loads the saved state over it."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)  # CPU and, lazily, every CUDA device
 
     def state_dict(self) -> dict:
         state = {"torch": torch.get_rng_state()}

@@ -78,7 +78,7 @@ def _learner(task: Task, model, config, steps_per_epoch: int) -> Learner:
 def _registry(learner: Learner, config) -> dict[str, Stateful]:
     """Every stateful object, by name: the runtime's, then the task's own (Task.extra_state)."""
     state: dict[str, Stateful] = {"model": learner.model, "optimizer": learner.optimizer, "scaler": learner.scaler,
-                                  "rng": RngState()}
+                                  "rng": RngState(config.seed)}
     if learner.scheduler is not None:
         state["scheduler"] = learner.scheduler
     extra = learner.task.extra_state(learner.model, learner.optimizer, config)
