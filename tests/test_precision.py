@@ -22,9 +22,9 @@ from elastic_mnist.worker.step import ScalerState, StepMath
 from elastic_mnist.worker.task import MnistMLP
 
 FLAGS = {  # each resumed at world size 1 below and at world size 2 and across a resize in test_resume_matrix
-    "bf16+clip+accum": dict(precision="bf16", grad_clip=0.5, grad_accum=3),
-    "fp16+scaler+clip+accum": dict(precision="fp16", grad_clip=0.5, grad_accum=2),
-    "fp32+clip+accum": dict(precision="fp32", grad_clip=0.2, grad_accum=4, lr_schedule="cosine"),
+    "bf16+clip+accum": {"precision": "bf16", "grad_clip": 0.5, "grad_accum": 3},
+    "fp16+scaler+clip+accum": {"precision": "fp16", "grad_clip": 0.5, "grad_accum": 2},
+    "fp32+clip+accum": {"precision": "fp32", "grad_clip": 0.2, "grad_accum": 4, "lr_schedule": "cosine"},
 }
 
 
@@ -34,9 +34,9 @@ def _data(n: int, seed: int = 0) -> Split:
 
 
 def _run(tmp_path, name: str, max_steps: int, **flags):
-    config = TrainConfig(**{**dict(global_batch_size=30, max_steps=max_steps, epochs=2, checkpoint_every=0,
-                                   hidden=32, log_dir=str(tmp_path / name / "runs"), log_every=1000,
-                                   checkpoint_dir=str(tmp_path / name / "ckpt")), **flags})
+    config = TrainConfig(**{**{"global_batch_size": 30, "max_steps": max_steps, "epochs": 2, "checkpoint_every": 0,
+                                   "hidden": 32, "log_dir": str(tmp_path / name / "runs"), "log_every": 1000,
+                                   "checkpoint_dir": str(tmp_path / name / "ckpt")}, **flags})
     trainer = in_process_trainer(config, _data(300), _data(30, 1))
     trainer.train()
     trainer.checkpoints.close()

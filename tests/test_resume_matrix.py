@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 from conftest import run_torchrun
 from test_precision import assert_same_state
 

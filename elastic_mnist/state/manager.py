@@ -6,7 +6,8 @@ Built once per (re)start by worker/train.py's build_trainer; the trainer asks it
 `finish`) and never assembles a checkpoint itself. It owns the durable writer (--checkpoint-dir), the in-memory
 snapshot writer (--snapshot-dir), the split-brain fence, the snapshots' origin and lifetime, the
 configuration fingerprint, and the save/restore of the registered state objects (state/registry.py:
-model, optimizer, scheduler, scaler, RNG, the task's own, progress). File format, verification and publishing live in state/format.py; the
+model, optimizer, scheduler, scaler, RNG, the task's own, progress).
+File format, verification and publishing live in state/format.py; the
 cross-rank agreement in state/sync.py.
 """
 
@@ -22,8 +23,7 @@ from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sync as state_sync
-from elastic_mnist.state.registry import (OBJECTS_KEY, Progress, Stateful, cpu_snapshot, leaves, load_into,
-                                          map_tensors)
+from elastic_mnist.state.registry import OBJECTS_KEY, Progress, Stateful, cpu_snapshot, leaves, load_into, map_tensors
 from elastic_mnist.state.snapshotter import Snapshotter
 from elastic_mnist.state.writer import CheckpointWriter
 

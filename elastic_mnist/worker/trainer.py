@@ -1,7 +1,7 @@
 """The training loop: world-size-invariant batches (the step's math, with precision, accumulation and
-clipping, is worker/step.py), the per-step agreement on the control plane, epoch-end evaluation, and what a rank does when a peer is lost. Built by
-worker/train.py's build_trainer; knows nothing of etcd, and asks the checkpoint manager (state/manager.py)
-what to save instead of assembling checkpoints itself.
+clipping, is worker/step.py), the per-step agreement on the control plane, epoch-end evaluation, and
+what a rank does when a peer is lost. Built by worker/train.py's build_trainer; knows nothing of etcd,
+and asks the checkpoint manager (state/manager.py) what to save instead of assembling checkpoints itself.
 
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1
 """
