@@ -1,12 +1,16 @@
 """The GPU check: one command on a machine with CUDA, a JSON summary at the end (and in --out).
 
-    python -m bench.gpu_check --data-dir ../shared/data --out bench/results/gpu_check.json
+    python -m bench.gpu_check --data-dir ../shared/data       # writes bench/results/gpu_check.json
     python -m bench.gpu_check --data-dir ../shared/data --dry-run      # no GPU: all of it on CPU with gloo
 
-What it runs (each a real torchrun with --standalone):
-- train: one worker on one GPU with NCCL (--backend nccl), its samples/s and test accuracy;
+What it runs (a real torchrun with --standalone, unless it says in-process):
+- train: one worker on one GPU with NCCL at world size 1 (--backend nccl), its samples/s and test accuracy;
 - resume: the same run stopped at step A and started again: it must resume at A and finish at B;
+- precision: the same worker with --precision bf16 and with fp16 (its GradScaler), each trained and resumed;
 - throughput: our worker against the bare loop (bench.bare_loop --device cuda), one process each;
+- in-process (bench/gpu_single.py): a resume that restores the CUDA RNG as saved; the abort path (the
+  watch thread aborts the data group while the main thread is blocked in a collective, then saves the
+  last agreed step); peak GPU memory with and without the failure-state copy;
 - peer loss (two or more GPUs; on --dry-run two CPU ranks): two ranks, rank 1 kills itself inside the
   gradient all-reduce (ELASTIC_MNIST_FAULT); reported: the survivor's detection time, the path that saved
   the state (the main thread after an error, or the peer watch), the steps redone, and completion.
@@ -37,11 +41,12 @@ from elastic_mnist.state import fence
 STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
 
 
-def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dict | None = None) -> dict:
+def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dict | None = None,
+           extra: tuple = ()) -> dict:
     """One torchrun run with a fixed checkpoint dir (so a second call resumes); its log and summary."""
     args = [f"--data-dir={check.data_dir}", f"--checkpoint-dir={work / 'ckpt'}", f"--log-dir={work / 'runs'}",
             f"--sample-log={work / 'samples'}", f"--max-steps={steps}", "--epochs=1000", f"--backend={check.backend}",
-            "--log-every=100", f"--snapshot-dir={work / 'shm'}"]
+            "--log-every=100", f"--snapshot-dir={work / 'shm'}", *extra]
     cmd = procs.torchrun_command(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=3",
                                   f"--rdzv-id={name}"], args)
     log_path = work / f"{name}.log"
@@ -66,6 +71,29 @@ def check_train_and_resume(work: Path, check: Check) -> dict:
             "resumed_at": int(resumed.group(1)) if resumed else None,
             "final_step": second["summary"].get("global_step"), "samples_per_s": second["summary"].get("samples_per_s"),
             "test_accuracy": second["summary"].get("test_accuracy"), "exit_codes": [first["rc"], second["rc"]]}
+
+
+def check_precision(work: Path, check: Check) -> dict:
+    """bf16 and fp16 (GradScaler) on the device: each trained to RESUME_AT / 2, then resumed to RESUME_AT."""
+    out = {}
+    for precision in ("bf16", "fp16"):
+        where = work / precision
+        first = _train(where, f"{precision}-a", check, 1, RESUME_AT // 2, extra=(f"--precision={precision}",))
+        second = _train(where, f"{precision}-b", check, 1, RESUME_AT, extra=(f"--precision={precision}",))
+        resumed = re.search(r"\[resume\] step (\d+)", second["log"])
+        out[precision] = {"ok": first["rc"] == second["rc"] == 0 and resumed is not None
+                          and int(resumed.group(1)) == RESUME_AT // 2, "resumed_at": resumed and int(resumed.group(1)),
+                          "samples_per_s": second["summary"].get("samples_per_s"),
+                          "test_accuracy": second["summary"].get("test_accuracy")}
+    return {"ok": all(v["ok"] for v in out.values()), **out}
+
+
+def check_in_process(work: Path, check: Check) -> dict:
+    from bench import gpu_single  # builds trainers in this process: imported only when it runs
+
+    device = torch.device(check.device, 0) if check.device == "cuda" else torch.device("cpu")
+    result = gpu_single.run(work, check.data_dir, device, check.backend)
+    return {"ok": all(v["ok"] for v in result.values()), **result}
 
 
 def check_throughput(work: Path, check: Check) -> dict:
@@ -106,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", required=True)
     p.add_argument("--dry-run", action="store_true", help="run everything on CPU with gloo (no CUDA needed)")
-    p.add_argument("--out", default="", help="also write the JSON summary here")
+    p.add_argument("--out", default="", help="also write the JSON summary here (default on a GPU: "
+                   "bench/results/gpu_check.json; none with --dry-run)")
     p.add_argument("--work-dir", default="", help="where runs go (default: a fresh dir under /tmp)")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -119,14 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         check.gpus = torch.cuda.device_count()
     result = {"machine": machine.describe(), "dry_run": args.dry_run, "backend": check.backend, "gpus": check.gpus}
-    for name, fn in (("train_and_resume", check_train_and_resume), ("throughput", check_throughput),
+    for name, fn in (("train_and_resume", check_train_and_resume), ("precision", check_precision),
+                     ("throughput", check_throughput), ("in_process", check_in_process),
                      ("peer_loss", check_peer_loss)):
         log(f"gpu check: {name} ...")
         result[name] = fn(check.runner.new_dir(name), check)
         log(f"  {json.dumps(result[name])[:300]}")
     text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    out = args.out or ("" if args.dry_run else str(REPO / "bench" / "results" / "gpu_check.json"))
+    if out:
+        Path(out).write_text(text + "\n")
     print(text, flush=True)
     return 0 if all(v.get("ok", True) for v in result.values() if isinstance(v, dict)) else 1
 

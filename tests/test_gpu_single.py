@@ -1,0 +1,29 @@
+"""The GPU check's in-process parts (bench/gpu_single.py) on CPU with gloo: what a GPU machine runs on
+CUDA with NCCL, so it cannot rot where there is none. The GPU-only assertions skip without CUDA.
+
+    .venv/bin/python -m pytest -q tests/test_gpu_single.py
+"""
+
+import pytest
+import torch
+
+from bench import gpu_single
+
+
+def test_resume_abort_and_memory_checks_on_cpu(small_mnist, tmp_path):
+    result = gpu_single.run(tmp_path, small_mnist, torch.device("cpu"), "gloo")
+    abort = result["resume_and_abort"]
+    assert abort["resumed_at"] == gpu_single.AGREED and abort["rng_restored"]
+    # the step done after the last agreement is not what the failure save took: the copy of the agreed one
+    assert abort["saved_step"] == gpu_single.AGREED + 2 and abort["live_step"] == gpu_single.AGREED + 3
+    assert abort["exit_code"] == 75 and abort["main_thread"] == "returned" and abort["ok"]
+    memory = result["memory"]
+    assert memory["copy"]["copy_bytes"] > 0 and memory["live"]["copy_bytes"] == 0 and memory["ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_abort_and_memory_checks_on_the_gpu(small_mnist, tmp_path):
+    result = gpu_single.run(tmp_path, small_mnist, torch.device("cuda", 0), "nccl")
+    assert result["resume_and_abort"]["ok"] and result["resume_and_abort"]["cuda_rng_saved"]
+    assert result["memory"]["copy"]["peak_bytes"] > result["memory"]["live"]["peak_bytes"]
