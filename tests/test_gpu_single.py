@@ -27,3 +27,17 @@ def test_resume_abort_and_memory_checks_on_the_gpu(small_mnist, tmp_path):
     result = gpu_single.run(tmp_path, small_mnist, torch.device("cuda", 0), "nccl")
     assert result["resume_and_abort"]["ok"] and result["resume_and_abort"]["cuda_rng_saved"]
     assert result["memory"]["copy"]["peak_bytes"] > result["memory"]["live"]["peak_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_rng_state_holds_every_cuda_devices_generator():
+    from elastic_mnist.state.registry import RngState
+
+    torch.cuda.init()
+    rng = RngState(seed=3)
+    saved = rng.state_dict()
+    assert len(saved["cuda"]) == torch.cuda.device_count()
+    first = torch.rand(4, device="cuda")
+    rng.load_state_dict(saved)
+    assert torch.equal(torch.rand(4, device="cuda"), first), "the CUDA generator drew the same again"
