@@ -42,8 +42,8 @@ from elastic_mnist.worker.trainer import Learner, Reporting, Trainer
 def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitStack, device=None,
                   marks: dict | None = None) -> Trainer:
     """Data, model, optimizer, scheduler, scaler, the task's own state and the checkpoint manager, restored
-    from the newest state there is. The
-    one way a Trainer is built: the worker below and the tests and benchmarks in one process alike."""
+    from the newest state there is. The one way a Trainer is built: the worker below and the tests and
+    benchmarks in one process alike."""
     device, marks = device or torch.device("cpu"), {} if marks is None else marks
     runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
                                         env.restart_count, env.node))
