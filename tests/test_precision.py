@@ -17,6 +17,7 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import Split
 from elastic_mnist.errors import UserError
 from elastic_mnist.state import format as checkpoint
+from elastic_mnist.worker.optim import Adam  # torch.optim.SGD would import torch._dynamo: seconds
 from elastic_mnist.worker.parallel import DataParallel
 from elastic_mnist.worker.step import ScalerState, StepMath
 from elastic_mnist.worker.task import MnistMLP
@@ -89,7 +90,7 @@ def test_the_default_schedule_is_a_lambda_lr_of_the_step(tmp_path):
 def _grads(model, x, y, accum: int, batch: int) -> list[torch.Tensor]:
     """The gradient of a share of `len(x)` samples of a global step of `batch` (one rank: no averaging)."""
     config = TrainConfig(global_batch_size=batch, grad_accum=accum)
-    math_ = StepMath(config, MnistMLP(), DataParallel(model, 1), torch.optim.SGD(model.parameters(), lr=0.1), None,
+    math_ = StepMath(config, MnistMLP(), DataParallel(model, 1), Adam(model.parameters(), lr=0.1), None,
                      ScalerState("fp32", "cpu"))
     math_.forward_backward(x, y)
     return [p.grad.clone() for p in model.parameters()]
@@ -113,7 +114,7 @@ def test_grad_clip_bounds_the_global_norm():
 
     model = build_model(32, 0)
     config = TrainConfig(global_batch_size=16, grad_clip=0.01)
-    math_ = StepMath(config, MnistMLP(), DataParallel(model, 1), torch.optim.SGD(model.parameters(), lr=0.0), None,
+    math_ = StepMath(config, MnistMLP(), DataParallel(model, 1), Adam(model.parameters(), lr=0.0), None,
                      ScalerState("fp32", "cpu"))
     math_.forward_backward(_data(16).images, _data(16).labels)
     math_.apply()
@@ -175,3 +176,22 @@ def test_a_tasks_own_state_is_saved_restored_and_refused_by_a_task_without_it(tm
 
     with pytest.raises(UserError, match="uses the name.*scheduler.*pick other names"):
         build(Clash(_data(300), _data(30, 1)), checkpoint_dir=str(tmp_path / "other"))
+
+
+def test_an_optimizer_that_is_not_a_torch_optimizer_is_refused_in_one_line(tmp_path):
+    from contextlib import ExitStack
+
+    from elastic_mnist.distributed import DistEnv
+    from elastic_mnist.worker.control import ControlPlane
+    from elastic_mnist.worker.train import build_trainer
+
+    class Duck(GivenData):
+        def build_optimizer(self, model, config):
+            return object()
+
+    config = TrainConfig(hidden=32, log_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"))
+    with ExitStack() as stack, pytest.raises(UserError, match=r"^Duck.build_optimizer returned a object, not a "
+                                                              "torch.optim.Optimizer"):
+        build_trainer(config, DistEnv(), Duck(_data(60), _data(10, 1)), ControlPlane(1, config), stack)
+    # (nothing was written: the optimizer is checked before the checkpoint dir is claimed)
+    assert not (tmp_path / "ckpt").exists()
