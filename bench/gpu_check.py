@@ -38,7 +38,7 @@ from elastic_mnist._torch_compat import fresh_worker_store
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
 
-STEPS, RESUME_AT, FAULT_STEP = 400, 200, 60
+STEPS, RESUME_AT, FAULT_STEP, PRECISION_STOP = 400, 200, 60, 60
 
 
 def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dict | None = None,
@@ -74,15 +74,16 @@ def check_train_and_resume(work: Path, check: Check) -> dict:
 
 
 def check_precision(work: Path, check: Check) -> dict:
-    """bf16 and fp16 (GradScaler) on the device: each trained to RESUME_AT / 2, then resumed to RESUME_AT."""
+    """bf16 and fp16 (GradScaler) on the device: each trained to PRECISION_STOP, then resumed to the end."""
     out = {}
     for precision in ("bf16", "fp16"):
         where = work / precision
-        first = _train(where, f"{precision}-a", check, 1, RESUME_AT // 2, extra=(f"--precision={precision}",))
-        second = _train(where, f"{precision}-b", check, 1, RESUME_AT, extra=(f"--precision={precision}",))
+        where.mkdir(parents=True, exist_ok=True)
+        first = _train(where, f"{precision}-a", check, 1, PRECISION_STOP, extra=(f"--precision={precision}",))
+        second = _train(where, f"{precision}-b", check, 1, 2 * PRECISION_STOP, extra=(f"--precision={precision}",))
         resumed = re.search(r"\[resume\] step (\d+)", second["log"])
         out[precision] = {"ok": first["rc"] == second["rc"] == 0 and resumed is not None
-                          and int(resumed.group(1)) == RESUME_AT // 2, "resumed_at": resumed and int(resumed.group(1)),
+                          and int(resumed.group(1)) == PRECISION_STOP, "resumed_at": resumed and int(resumed.group(1)),
                           "samples_per_s": second["summary"].get("samples_per_s"),
                           "test_accuracy": second["summary"].get("test_accuracy")}
     return {"ok": all(v["ok"] for v in out.values()), **out}
