@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import gpu_single
+from elastic_mnist.state import format as checkpoint
 
 
 def test_resume_abort_and_memory_checks_on_cpu(small_mnist, tmp_path):
@@ -17,6 +18,10 @@ def test_resume_abort_and_memory_checks_on_cpu(small_mnist, tmp_path):
     # the step done after the last agreement is not what the failure save took: the copy of the agreed one
     assert abort["saved_step"] == gpu_single.AGREED + 2 and abort["live_step"] == gpu_single.AGREED + 3
     assert abort["exit_code"] == 75 and abort["main_thread"] == "returned" and abort["ok"]
+    saved = checkpoint.load_latest(str(tmp_path / "abort" / "ckpt"))[0]
+    # every registered object from the copy of the agreed step, not only the weights
+    assert saved["step"] == saved["scheduler"]["last_epoch"] == gpu_single.AGREED + 2
+    assert saved["optimizer"]["state"][0]["step"].item() == gpu_single.AGREED + 2
     memory = result["memory"]
     assert memory["copy"]["copy_bytes"] > 0 and memory["live"]["copy_bytes"] == 0 and memory["ok"]
 
