@@ -38,7 +38,7 @@ from elastic_mnist._torch_compat import fresh_worker_store
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
 
-STEPS, RESUME_AT, FAULT_STEP, PRECISION_STOP = 400, 200, 60, 60
+STEPS, RESUME_AT, FAULT_STEP, PRECISION_STOP = 400, 200, 60, 25
 
 
 def _train(work: Path, name: str, check: Check, nproc: int, steps: int, env: dict | None = None,
