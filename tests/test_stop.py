@@ -69,3 +69,40 @@ def test_the_early_handler_is_handed_on_with_what_it_caught():
     assert stop.requested and signal.getsignal(signal.SIGTERM) == stop._handle
     fresh = stop_signals.for_process()  # another worker run in the same process
     assert fresh is not stop and not fresh.requested
+
+
+_COUNTER = """
+import signal, sys
+count = 0
+def counted(*_):
+    global count
+    count += 1
+    print("term", flush=True)
+signal.signal(signal.SIGTERM, counted)
+print("ready", flush=True)
+sys.stdin.read()
+print(count, flush=True)
+"""
+
+
+def test_the_pod_passes_only_the_first_sigterm_on_to_torchrun():
+    """A VM shutting down signals the pod's PID 1 and torchrun at once: our forward must not be a second
+    SIGTERM to the agent (each one raises in it and cuts short its wait for the workers' save)."""
+    import subprocess
+    import sys
+
+    from elastic_mnist.ops.pod import Forwarder
+
+    child = subprocess.Popen([sys.executable, "-c", _COUNTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        forwarder = Forwarder()
+        forwarder.child = child.pid
+        _send(signal.SIGTERM)
+        assert child.stdout.readline() == "term\n"  # handled: a second one cannot merge with it
+        _send(signal.SIGTERM)
+        out, _ = child.communicate("", timeout=30)  # stdin closed after both signals were sent
+    finally:
+        child.kill()
+    assert forwarder.received == signal.SIGTERM and out == "1\n", "one SIGTERM reached torchrun"
