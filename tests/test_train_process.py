@@ -119,3 +119,40 @@ def test_a_resuming_worker_imports_nothing_heavy_it_does_not_use(small_mnist, tm
     assert "torch" in imported and "elastic_mnist.worker.trainer" in imported, "the import log is read"
     off_path = {"torch._dynamo", "torchvision", "matplotlib"}
     assert not imported & off_path, sorted(imported & off_path)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+def test_sigterm_during_start_up_is_a_graceful_stop_whatever_repeats(small_mnist, tmp_path):
+    """The handler is in place before torch loads; SIGTERM then (twice: a node-wide signal and the agent's
+    forward) still ends with the step trained and saved, exit 0, not death by signal."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO, worker_env
+
+    from elastic_mnist import procs
+
+    worker = subprocess.Popen([sys.executable, "-m", "elastic_mnist.train", *_args(small_mnist, tmp_path, "t")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO)
+    try:
+        procs.wait_for(lambda: _catches(worker.pid, signal.SIGTERM), 30, "the stop handler", interval_s=0.002)
+        torch_loaded = "libtorch" in open(f"/proc/{worker.pid}/maps").read()
+        worker.send_signal(signal.SIGTERM)
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    assert not torch_loaded, "the handler was installed before torch loaded"
+    assert worker.returncode == 0, out
+    assert "[stop] stop requested; leaving at step 1" in out
+    assert checkpoint.load_latest(str(tmp_path / "t" / "ckpt"))[0]["step"] == 1

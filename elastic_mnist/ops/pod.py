@@ -31,7 +31,11 @@ from elastic_mnist.ops.preflight import Launch, closed_line, finished_line, pars
 
 
 class Forwarder:
-    """Signal handlers that pass SIGTERM/SIGINT on to the child, remembering one that came first."""
+    """Signal handlers that pass SIGTERM/SIGINT on to the child, remembering one that came first.
+
+    Only the first is passed on: torchrun's agent answers every SIGTERM by raising in whatever it is
+    doing, so a second one (a VM shutting down signals us and torchrun at once, and we forward) cuts
+    short its wait for the workers' save and leaves them to die with this container."""
 
     def __init__(self) -> None:
         self.child: int | None = None
@@ -40,6 +44,8 @@ class Forwarder:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame) -> None:
+        if self.received is not None:
+            return
         self.received = signum
         self.forward()
 

@@ -16,7 +16,6 @@ makes the others believe it died.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -25,44 +24,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist import exit_codes
 from elastic_mnist.distributed import group_device
-
-
-class StopRequest:
-    """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) or SIGHUP
-    (our torchrun agent died: the parent-death signal) asks the whole group to checkpoint at the next
-    step boundary and leave; a second signal of the same kind is not caught.
-
-    Without an agent nobody supervises this worker, so after `orphan_grace_s` it exits however far the
-    agreement got: a worker never trains on alone."""
-
-    def __init__(self, orphan_grace_s: float = 0.0) -> None:
-        self.signum: int | None = None
-        self.orphan_grace_s = orphan_grace_s
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        if signum == signal.SIGHUP and self.orphaned:
-            return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
-        self.signum = signum
-        if signum != signal.SIGHUP:
-            signal.signal(signum, signal.SIG_DFL)
-        elif self.orphan_grace_s:
-            timer = threading.Timer(self.orphan_grace_s, os._exit, args=(exit_codes.UNSUPERVISED,))
-            timer.daemon = True
-            timer.start()
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def orphaned(self) -> bool:
-        return self.signum == signal.SIGHUP
+from elastic_mnist.worker.stop import StopRequest
 
 
 class ControlPlane:

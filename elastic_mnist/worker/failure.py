@@ -27,7 +27,7 @@ import torch.distributed as dist
 from elastic_mnist import exit_codes
 
 # What a failure save may take beyond --collective-timeout before the watchdog gives up on it: the same
-# allowance an orphaned worker gets (control.StopRequest). A healthy save of the last step takes well
+# allowance an orphaned worker gets (stop.StopRequest). A healthy save of the last step takes well
 # under this; the bound exists so that nothing can keep a worker torchrun waits for alive.
 SAVE_GRACE_S = 30.0
 

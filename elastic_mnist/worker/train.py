@@ -33,8 +33,10 @@ from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import RngState, Stateful, cpu_snapshot
-from elastic_mnist.worker.control import ControlPlane, StopRequest
+from elastic_mnist.worker import stop as stop_signals
+from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.step import ScalerState
+from elastic_mnist.worker.stop import StopRequest
 from elastic_mnist.worker.task import RUNTIME_STATE, MnistMLP, Task
 from elastic_mnist.worker.trainer import Learner, Reporting, Trainer
 
@@ -136,15 +138,15 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
     """The worker; `task` is what is trained (default: the MNIST MLP). Your own model: examples/."""
     marks = {"process_start": time.time() - process_age_s(), "imports": time.time()}
     env = distributed.read_env()
-    stop = StopRequest()
-    stop.install()  # before the slow start-up: a preemption during it is still a graceful stop
+    stop = stop_signals.for_process()  # installed before the slow start-up (by -m elastic_mnist.train: before
+    # torch loads): a preemption during it is still a graceful stop
     if env.launched:
         # If our torchrun agent dies, stop at the next step boundary with the group and save (SIGHUP),
         # rather than die with the steps since the last snapshot (SIGKILL).
         procs.set_parent_death_signal(signal.SIGHUP)
     try:
         config = parse_args(argv)
-        stop.orphan_grace_s = config.collective_timeout + 30  # the agreement, then one blocking save
+        stop.set_orphan_grace(config.collective_timeout + 30)  # the agreement, then one blocking save
         return run(config, env, stop, task or MnistMLP(), marks)
     except UserError as e:
         print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)

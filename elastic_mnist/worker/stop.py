@@ -1,0 +1,98 @@
+"""What a signal asks of a worker: stop with the group at the next step boundary and save that step.
+
+    torchrun ... -m elastic_mnist.train ...      # `kill -TERM <agent>` or `kill -TERM -<pgid>`: a graceful stop
+
+No torch here: `python -m elastic_mnist.train` installs the handlers from this module before torch loads
+(`install_early`, a few hundred ms after exec instead of seconds), so a SIGTERM during start-up is a
+graceful stop too, not the default action that kills the process.
+
+One SIGTERM or many is the same request. A node can get it more than once at the same moment: a VM
+shutting down signals every process, and torchrun's agent, signalled too, forwards its own SIGTERM to the
+worker's process group (and the fork()ed DataLoader workers inherit this handler). Honouring a repeat with
+the default action would kill the worker in the middle of the stop it was asked for; what bounds a stop
+that hangs is the agent's SIGKILL after its --shutdown-timeout (or the kubelet's after its grace period).
+A second SIGINT does end the process: the way out for a person at a terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from elastic_mnist import exit_codes
+
+_EARLY: StopRequest | None = None
+
+
+class StopRequest:
+    """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) or SIGHUP
+    (our torchrun agent died: the parent-death signal) asks the whole group to checkpoint at the next
+    step boundary and leave; a repeated SIGTERM is the same request (module docstring), a second SIGINT
+    is not caught.
+
+    Without an agent nobody supervises this worker, so after `orphan_grace_s` it exits however far the
+    agreement got: a worker never trains on alone."""
+
+    def __init__(self, orphan_grace_s: float = 0.0) -> None:
+        self.signum: int | None = None
+        self.orphan_grace_s = orphan_grace_s
+        self.received = 0
+        """How many stop signals arrived (a repeat changes nothing, but is worth a line in the journal)."""
+        self._timer: threading.Timer | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.received += 1
+        if signum == signal.SIGHUP and self.orphaned:
+            return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process
+        if signum != signal.SIGHUP and self.signum is not None:
+            return  # already stopping (SIGTERM again, or after SIGHUP): keep the first reason and its timer
+        self.signum = signum
+        if signum == signal.SIGHUP:
+            self._start_orphan_timer()
+
+    def set_orphan_grace(self, seconds: float) -> None:
+        """The bound an orphaned worker gets (known once the flags are read, after a signal may have come)."""
+        self.orphan_grace_s = seconds
+        if self.orphaned:
+            self._start_orphan_timer()
+
+    def _start_orphan_timer(self) -> None:
+        if self._timer is not None or not self.orphan_grace_s:
+            return
+        self._timer = threading.Timer(self.orphan_grace_s, os._exit, args=(exit_codes.UNSUPERVISED,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def orphaned(self) -> bool:
+        return self.signum == signal.SIGHUP
+
+
+def install_early() -> None:
+    """Install a StopRequest now (main thread, before the slow imports); `for_process` hands it on."""
+    global _EARLY
+    if _EARLY is None:
+        _EARLY = StopRequest()
+        _EARLY.install()
+
+
+def for_process() -> StopRequest:
+    """The worker's StopRequest, installed: the early one with whatever it caught, else a new one. Taken
+    once: a second worker run in the same process (tests) starts from no request."""
+    global _EARLY
+    stop, _EARLY = _EARLY, None
+    if stop is None:
+        stop = StopRequest()
+        stop.install()
+    return stop
