@@ -101,6 +101,14 @@ class LocalPod:
         self.proc = self._popen(container(self.job, "trainer"))
         return self.proc
 
+    def plain_torchrun(self, timeout: float = 60) -> subprocess.CompletedProcess:
+        """The trainer container's torchrun arguments run by torchrun itself, without `elastic-mnist pod`."""
+        args, env = self.command(container(self.job, "trainer"))
+        launcher = args[2:args.index("-m")]
+        module, program = args[args.index("-m") + 1], args[args.index("-m") + 2:]
+        return subprocess.run(procs.torchrun_command(launcher, program, module), env=env, cwd=self.tmp,
+                              capture_output=True, text=True, timeout=timeout)
+
     def run(self, timeout: float = 300) -> tuple[int, str | None]:
         """(exit code, the container that gave it): the kubelet's order, init first."""
         code = self.start_init().wait(timeout)
@@ -206,6 +214,15 @@ def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, sma
 
             # A replacement pod, or a resize that came too late.
             exits_0_at_once_saying(cluster.pod(2), "job already finished at step 20")
+            if variant == render.DEFAULT_OVERLAY:
+                # A late plain torchrun (no pod entry): the backend sees the closed rendezvous and the
+                # agents' exit barrier of its last round, and ends torchrun before its agent starts.
+                start = time.monotonic()
+                late = cluster.pod(5).plain_torchrun()
+                assert time.monotonic() - start < 10, late.stderr
+                assert late.returncode == 0, late.stdout + late.stderr
+                lines = (late.stdout + late.stderr).splitlines()
+                assert len(lines) == 1 and "is closed: the job finished" in lines[0], lines
             # Without the marker the closed rendezvous means a node gave up: fail the Job at once
             # (no crash loop), saying how to resume.
             (cluster.job_dir("checkpoints") / "finished.json").unlink()
