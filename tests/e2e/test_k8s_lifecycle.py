@@ -31,7 +31,7 @@ from k8s_manifests import argv, container, find, pod_spec, resolve_env, trainer_
 
 from elastic_mnist import procs
 from elastic_mnist.etcd.server import EtcdServer, free_port
-from elastic_mnist.ops.preflight import PERMANENT
+from elastic_mnist.ops.preflight import NODE_LOCAL, PERMANENT
 from elastic_mnist.rendezvous.status import read_rendezvous_status
 from elastic_mnist.state.format import list_checkpoints
 
@@ -61,6 +61,7 @@ class LocalPod:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = root / f"pod-{index}.log"
         self.proc: subprocess.Popen | None = None
+        self.backend: str | None = "gloo"  # this machine has no GPU; None keeps the manifest's --backend
 
     def _path(self, value: str) -> str:
         for mount, local in (("/data/mnist", self.mnist), ("/data", str(self.root / "data")),
@@ -74,8 +75,8 @@ class LocalPod:
         name, sep, value = arg.partition("=")
         if name == "--rdzv-endpoint":
             return f"{name}={self.endpoint}"
-        if name == "--backend":
-            return "--backend=gloo"
+        if name == "--backend" and self.backend:
+            return f"--backend={self.backend}"
         if name == "--rdzv-conf":  # key=PATH entries (cacert=...) name files on the pod's volumes too
             entries = (e.partition("=") for e in value.split(","))
             return f"{name}=" + ",".join(f"{k}={self._path(v)}" for k, _, v in entries)
@@ -357,5 +358,26 @@ def test_e_tls_variant_trains_to_the_end_over_https(small_mnist, tmp_path):
             assert pod.run(timeout=300) == (0, "trainer"), cluster.logs()
             assert cluster.summary()["global_step"] == 10
             assert "protocol=https" in pod.log()
+        finally:
+            cluster.close()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a node without a GPU")
+def test_f_nccl_preflight_in_a_gpu_less_container_fails_only_its_index(small_mnist, tmp_path):
+    """A GPU variant's pod as it is (--backend=nccl) on this GPU-less machine: the preflight container exits
+    with the node-local code, one FAILED line, and the Job's rule for it is FailIndex, not FailJob."""
+    with etcd_for("kind-gpu") as server:
+        cluster = Cluster("kind-gpu", tmp_path, server, small_mnist, steps=10)
+        try:
+            pod = cluster.pod(0)
+            pod.backend = None
+            assert pod.run(timeout=120) == (NODE_LOCAL, "preflight"), pod.log()
+            assert NODE_LOCAL != PERMANENT and "--backend=nccl" in pod.log()
+            (line,) = [x for x in pod.container_log("preflight") if "FAILED" in x]
+            assert line.startswith("preflight: device: FAILED") and "no CUDA device" in line, line
+            rules = [r for r in cluster.job["spec"]["podFailurePolicy"]["rules"]
+                     if r.get("onExitCodes", {}).get("containerName") == "preflight"
+                     and NODE_LOCAL in r["onExitCodes"]["values"]]
+            assert [r["action"] for r in rules] == ["FailIndex"]
         finally:
             cluster.close()
