@@ -200,3 +200,27 @@ def test_the_default_rendering_runs_on_stock_kind(variants):
     at = next(i for i, x in enumerate(lines) if x.startswith("kubectl apply -f k8s"))
     assumes = " ".join(x.split("#", 1)[1] for x in lines[at:at + 3] if "#" in x)
     assert "assumes" in assumes and "kind" in assumes and "no GPU" in assumes, assumes
+
+
+def _kind_section() -> str:
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    return text.split("## kind (the default)", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_documented_kind_commands_match_the_manifests(variants):
+    """docs/kubernetes.md's kind walk-through as far as it can run here: every file it applies exists, the
+    node image is a release the manifests validate for, and the Secret it creates has exactly the keys the
+    pods mount."""
+    section = _kind_section()
+    applied = re.findall(r"kubectl apply((?: -f \S+)+)", section)
+    for files in applied:
+        for path in files.split(" -f ")[1:]:
+            assert (REPO / path).exists(), path
+    (node,) = re.findall(r"kindest/node:v(\d+)\.(\d+)\.\d+", section)
+    assert (int(node[0]), int(node[1])) >= (1, 33)
+    created = set(re.findall(r"--from-literal=([a-z-]+)=", section))
+    docs = variants["kind"]
+    wanted = {i["key"] for w in workloads(docs) for v in pod_spec(w)["volumes"]
+              if v.get("secret", {}).get("secretName") == "elastic-mnist-etcd" for i in v["secret"]["items"]}
+    assert created == wanted == {"root-password", "job-password", "rdzv-secret"}
+    assert "--timeout=" in section.split("kubectl -n elastic-mnist wait", 1)[1].splitlines()[0]
