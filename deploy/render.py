@@ -1,9 +1,9 @@
 """Render the kustomize variants; regenerate k8s/ (the default variant, split into ordered files).
 
-    python deploy/render.py                          # rewrite k8s/ from deploy/kustomize/overlays/gpu
+    python deploy/render.py                          # rewrite k8s/ from deploy/kustomize/overlays/kind
     python deploy/render.py --check                  # exit 1 if k8s/ differs from what the overlay renders
     python deploy/render.py --overlay gke --out k8s-gke --image REGISTRY/elastic-mnist@sha256:...
-    python deploy/render.py --overlay cpu --out k8s-kind --image elastic-mnist:dev --loaded   # kind load'ed
+    python deploy/render.py --overlay kind --out k8s-dev --image elastic-mnist:dev --loaded   # kind load'ed
     python deploy/render.py --list                   # the variants
 
 k8s/ is generated so that `kubectl apply -f k8s` works with nothing but kubectl, while every variant
@@ -30,7 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 KUSTOMIZE = REPO / "deploy" / "kustomize"
 OVERLAYS = KUSTOMIZE / "overlays"
-DEFAULT_OVERLAY = "gpu"
+DEFAULT_OVERLAY = "kind"
 K8S_DIR = REPO / "k8s"
 BASE_IMAGE_NAME = "elastic-mnist"  # the image name base/kustomization.yaml's images: tags (elastic-mnist:0.1.0)
 

@@ -223,7 +223,7 @@ def test_render_takes_a_tag_only_for_an_image_loaded_into_the_nodes(tmp_path):
     assert run.returncode != 0 and "digest" in run.stderr and "--loaded" in run.stderr
     assert not (tmp_path / "a").exists()
     out = tmp_path / "kind"
-    run = _render("--overlay", "cpu", "--out", str(out), "--image", "elastic-mnist:dev", "--loaded")
+    run = _render("--overlay", "kind", "--out", str(out), "--image", "elastic-mnist:dev", "--loaded")
     assert run.returncode == 0, run.stderr
     containers = _project_containers(out)
     assert {(c["image"], c["imagePullPolicy"]) for c in containers} == {("elastic-mnist:dev", "Never")}

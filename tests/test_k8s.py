@@ -52,8 +52,11 @@ K8S_VERSION = "1.33.0"  # the oldest release with everything the Job uses GA; st
 
 render = load_render()
 VARIANTS = render.overlays()
-GPU_VARIANTS = [v for v in VARIANTS if v != "cpu"]
+GPU_VARIANTS = [v for v in VARIANTS if v != "kind"]
 CLOUD_VARIANTS = ("gke", "eks", "aks")  # multi-node clusters: the shared claim is ReadWriteMany there
+SINGLE_NODE_VARIANTS = ("kind", "kind-gpu")  # every trainer on the one node: no one-per-node rule
+# What the etcd-tls variant adds to the trainers' --rdzv-conf (the CA its Secret mounts).
+TLS_CONF = ",protocol=https,cacert=/etc/elastic-mnist/etcd-tls/ca.crt"
 
 
 def torchrun_split(args: list[str]):
@@ -207,6 +210,8 @@ def test_trainer_torchrun_flags_are_torchrun_settings(variant, variants):
     expected = get_args_parser().parse_args(
         torchrun_settings.torchrun_args(backend, ns.rdzv_endpoint, JOB_UID, nproc_per_node=1)
         + ["--local-addr=10.0.0.7", "-m", "elastic_mnist.train", *program])
+    if variant == "etcd-tls":
+        expected.rdzv_conf += TLS_CONF
     assert vars(ns) == vars(expected)
     # The rendezvous id is the Job object's UID: a re-created Job never meets its predecessor's
     # closed rendezvous; the checkpoints are keyed by the job name, so it resumes.
@@ -215,9 +220,9 @@ def test_trainer_torchrun_flags_are_torchrun_settings(variant, variants):
     job = pod_labels(trainer)["app.kubernetes.io/instance"]
     config = parse_args(program)
     assert config.checkpoint_dir.endswith("/" + job) and config.log_dir.endswith("/" + job)
-    # The default size, and every size the resize path allows, fit --nnodes.
+    # The default size, and every size the resize path allows, fit --nnodes; the other indexes are spares.
     lo, hi = (int(x) for x in ns.nnodes.split(":"))
-    assert (lo, hi) == (1, 4) and trainer["spec"]["parallelism"] == trainer["spec"]["completions"] == 2
+    assert (lo, hi) == (1, 4) and trainer["spec"]["parallelism"] == 2 and trainer["spec"]["completions"] == 8
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -239,7 +244,7 @@ def test_preflight_runs_with_the_trainers_arguments(variant, variants):
 def test_trainer_program_flags_parse(variant, variants):
     _, program = torchrun_split(trainer_argv(trainer_job(variants[variant])))
     config = parse_args(program)  # SystemExit on an unknown flag, UserError on a bad value
-    assert config.backend == ("gloo" if variant == "cpu" else "nccl")
+    assert config.backend == ("gloo" if variant == "kind" else "nccl")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -348,14 +353,15 @@ def test_volume_mounts_hold_the_trainer_paths(variant, variants):
 def test_trainer_is_an_elastic_indexed_job(variant, variants):
     job = trainer_job(variants[variant])
     spec = job["spec"]
-    assert spec["completionMode"] == "Indexed" and 1 <= spec["parallelism"] == spec["completions"] <= 4
+    assert spec["completionMode"] == "Indexed" and 1 <= spec["parallelism"] <= 4 < spec["completions"]
     assert pod_spec(job)["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
     assert spec["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in spec
     assert spec["ttlSecondsAfterFinished"] > 0
     assert spec["successPolicy"] == {"rules": [{"succeededCount": 1}]}
     rules = spec["podFailurePolicy"]["rules"]
-    ignore = [r for r in rules if r["action"] == "Ignore"]
+    ignore = [r for r in rules if r["action"] == "Ignore" and "onPodConditions" in r]
     assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    assert rules[0] == ignore[0], "a disruption is ignored whatever the exit codes say"
     assert preflight.PERMANENT == exit_codes.PERMANENT != exit_codes.TRANSIENT, "preflight exits with the shared codes"
     assert preflight.NODE_LOCAL == exit_codes.NODE_LOCAL not in (exit_codes.PERMANENT, exit_codes.TRANSIENT)
     assert not [d for d in variants[variant] if d["kind"] == "PodDisruptionBudget"
@@ -366,7 +372,8 @@ def test_trainer_is_an_elastic_indexed_job(variant, variants):
 def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_local_ones(variant, variants):
     """Every onExitCodes rule names its container (without containerName the Job controller matches
     init containers' exit codes too); 78 (configuration, closed rendezvous) fails the Job from
-    preflight or `elastic-mnist pod`; preflight's node-local code fails only the index."""
+    preflight or `elastic-mnist pod`; preflight's node-local code and an OOM kill of the trainer fail
+    only the index; a SIGTERM exit (a shrink, a deleted pod) is not counted."""
     job = trainer_job(variants[variant])
     names = {c["name"] for c in all_containers(job)}
     rules = [r for r in job["spec"]["podFailurePolicy"]["rules"] if "onExitCodes" in r]
@@ -377,9 +384,11 @@ def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_loc
     for r in rules:
         for code in r["onExitCodes"]["values"]:
             by_action.setdefault(r["action"], set()).add((r["onExitCodes"]["containerName"], code))
+    sigterm, sigkill = exit_codes.killed_by(15), exit_codes.killed_by(9)
     assert by_action == {
         "FailJob": {("preflight", exit_codes.PERMANENT), ("trainer", exit_codes.PERMANENT)},
-        "FailIndex": {("preflight", exit_codes.NODE_LOCAL)},
+        "FailIndex": {("preflight", exit_codes.NODE_LOCAL), ("trainer", sigkill)},
+        "Ignore": {("preflight", sigterm), ("trainer", sigterm)},
     }
     # FailIndex is only valid (and only means "this index") with a per-index backoff limit.
     assert job["spec"]["backoffLimitPerIndex"] >= 1
@@ -419,9 +428,9 @@ def test_every_container_that_checks_cuda_gets_the_gpu(variant, variants):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a node without a GPU")
 def test_preflight_of_the_manifest_on_a_node_without_a_gpu_fails_the_index_not_the_job(
         variants, small_mnist, tmp_path):
-    """The default variant's preflight argv (--backend=nccl), run as a process on this GPU-less machine
+    """A GPU variant's preflight argv (--backend=nccl), run as a process on this GPU-less machine
     with its volumes mapped to local directories: one line for the device, the node-local code."""
-    job = trainer_job(variants[render.DEFAULT_OVERLAY])
+    job = trainer_job(variants["kind-gpu"])
     args = argv(job, container(job, "preflight"))
     assert "--backend=nccl" in args
 
@@ -511,7 +520,7 @@ def test_resize_path_is_capped_at_the_nnodes_maximum(variant, variants):
     hi = int(ns.nnodes.split(":")[1])
     (validation,) = policy["spec"]["validations"]
     assert f"object.spec.parallelism <= {hi}" in validation["expression"]
-    assert "object.spec.parallelism == object.spec.completions" in validation["expression"]
+    assert f"object.spec.completions == {job['spec']['completions']}" in validation["expression"]
     assert selects(policy["spec"]["matchConstraints"]["objectSelector"], job["metadata"]["labels"])
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
@@ -530,8 +539,9 @@ def test_trainer_pod_is_built_for_preemption(variant, variants):
     assert volume["emptyDir"]["medium"] == "Memory"
     gpus = c["resources"]["limits"].get("nvidia.com/gpu")
     ns, _ = torchrun_split(trainer_argv(trainer))
-    tolerated = {t["key"] for t in spec.get("tolerations", [])}
-    if variant == "cpu":
+    tolerated = {t["key"] for t in spec.get("tolerations", [])} - {"node.kubernetes.io/not-ready",
+                                                                   "node.kubernetes.io/unreachable"}
+    if variant == "kind":
         assert gpus is None and "nvidia.com/gpu" not in c["resources"]["requests"] and not tolerated
     else:
         assert gpus == int(ns.nproc_per_node) == 1
@@ -608,32 +618,60 @@ def test_pods_get_distinct_identities(variants):
     assert len(seen) == 2, "two pods must announce different addresses to the rendezvous"
 
 
+def _peers(rules: list[dict], side: str, pods: dict[str, dict], port: int) -> set[str]:
+    """The workloads of this namespace that the rules admit on `port` (0: a port chosen at run time)."""
+    who = set()
+    for rule in rules:
+        if any(p["port"] == port for p in rule.get("ports", [])) or not rule.get("ports"):
+            for peer in rule.get(side, []):
+                if "podSelector" in peer and "namespaceSelector" not in peer:
+                    who |= {n for n, labels in pods.items() if selects(peer["podSelector"], labels)}
+    return who
+
+
+def _outside(rules: list[dict], side: str) -> list[dict]:
+    """Peers that are not pods of this namespace (other namespaces, IP blocks, everyone)."""
+    return [peer for rule in rules for peer in rule.get(side, [{}]) if set(peer) != {"podSelector"}]
+
+
+DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchExpressions": [{"key": "k8s-app", "operator": "In", "values": ["kube-dns"]}]}}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_network_policies_match_the_pods(variant, variants):
+    """Every pod is under exactly one policy, for both directions; each admits only the pods it names:
+    the trainers reach each other, etcd's client port and DNS (and the internet on 443 where MNIST is
+    downloaded, never the link-local metadata range); etcd reaches its peers and DNS; nothing reaches
+    TensorBoard over the network (port-forward enters its own network namespace) and it reaches nothing."""
     docs = variants[variant]
     pods = {w["metadata"]["name"]: pod_labels(w) for w in workloads(docs)}
     policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
     for name, labels in pods.items():
         covering = [p for p, d in policies.items() if selects(d["spec"]["podSelector"], labels)]
         assert covering == [name], f"{name} is selected by {covering}"
-
-    def admitted(policy: dict, port: int) -> set[str]:
-        who = set()
-        for rule in policy["spec"]["ingress"]:
-            if any(p["port"] == port for p in rule.get("ports", [])) or not rule.get("ports"):
-                for source in rule.get("from", []):
-                    who |= {n for n, labels in pods.items() if selects(source["podSelector"], labels)}
-        return who
-
+        assert sorted(policies[name]["spec"]["policyTypes"]) == ["Egress", "Ingress"], name
     etcd = find(docs, "StatefulSet", "etcd")
     ports = {p["name"]: p["containerPort"] for p in container(etcd, "etcd")["ports"]}
-    assert admitted(policies["etcd"], ports["client"]) == {"trainer"}
-    assert admitted(policies["etcd"], ports["peer"]) == {"etcd"}
-    assert all(r.get("from") for r in policies["etcd"]["spec"]["ingress"]), "no rule may admit everyone"
-    assert admitted(policies["trainer"], 0) == {"trainer"}
+    e_in, e_out = policies["etcd"]["spec"]["ingress"], policies["etcd"]["spec"]["egress"]
+    assert _peers(e_in, "from", pods, ports["client"]) == {"trainer"}
+    assert _peers(e_in, "from", pods, ports["peer"]) == {"etcd"} and not _outside(e_in, "from")
+    assert _peers(e_out, "to", pods, ports["peer"]) == {"etcd"}
+    assert _outside(e_out, "to") == [DNS_PEER]
+    t_in, t_out = policies["trainer"]["spec"]["ingress"], policies["trainer"]["spec"]["egress"]
+    assert _peers(t_in, "from", pods, 0) == {"trainer"} and not _outside(t_in, "from")
+    assert _peers(t_out, "to", pods, 0) == {"trainer"}
+    assert _peers(t_out, "to", pods, ports["client"]) == {"trainer", "etcd"}
+    outside = _outside(t_out, "to")
+    if variant == "node-local":  # the download-mnist init container
+        assert outside == [DNS_PEER, {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]
+        assert [r["ports"] for r in t_out if "ipBlock" in r["to"][0]] == [[{"protocol": "TCP", "port": 443}]]
+    else:
+        assert outside == [DNS_PEER], "trainers reach nothing outside the cluster"
+    dns = next(r for r in t_out + e_out if r["to"] == [DNS_PEER])
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
     if "tensorboard" in pods:
-        tb_port = container(find(docs, "Deployment", "tensorboard"), "tensorboard")["ports"][0]["containerPort"]
-        assert [p["port"] for r in policies["tensorboard"]["spec"]["ingress"] for p in r["ports"]] == [tb_port]
+        assert policies["tensorboard"]["spec"]["ingress"] == [] == policies["tensorboard"]["spec"]["egress"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

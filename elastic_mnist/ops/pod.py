@@ -12,8 +12,8 @@ Takes torchrun's arguments word for word and adds what a pod needs around it:
     the finished.json rank 0 writes. One that finds the rendezvous closed without it (a node gave up;
     torchrun would fail with RendezvousClosedError on both backends, and every replacement again)
     exits 78 with one line: the Job fails at once and a re-applied Job resumes from the checkpoint.
-  - A completion index beyond --nnodes' maximum exits 78 (the Job's FailJob code): a 5th node would
-    only wait and disturb every round.
+  - The completion index is not checked against --nnodes: the Job has spare indexes (completions 8,
+    parallelism 1..4) so that a lost index is replaced; its admission policy bounds parallelism.
 Exit: torchrun's code, 0 when the job already finished, 78 on a configuration mistake or a closed
 rendezvous.
 """
@@ -78,14 +78,6 @@ def _verdict(launch: Launch, config) -> int | None:
     return None
 
 
-def _index_error(launch: Launch) -> str | None:
-    index = os.environ.get("JOB_COMPLETION_INDEX", "")
-    if index.isdigit() and int(index) >= launch.max_nodes:
-        return (f"pod index {index} is beyond --nnodes' maximum of {launch.max_nodes}: resize with "
-                f"parallelism == completions <= {launch.max_nodes} (docs/kubernetes.md: resize)")
-    return None
-
-
 def run(argv: list[str]) -> int:
     forwarder = Forwarder()  # first: a SIGTERM during the checks below must end us, not be lost
     if "-m" not in argv:
@@ -95,10 +87,6 @@ def run(argv: list[str]) -> int:
     from elastic_mnist.config import parse_args
 
     config = parse_args(launch.train_args)
-    problem = _index_error(launch)
-    if problem:
-        print(f"elastic-mnist pod: error: {problem}", flush=True)
-        return exit_codes.PERMANENT
     verdict = _verdict(launch, config)
     if verdict is not None:
         return verdict

@@ -159,7 +159,7 @@ def check_device(config) -> str:
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         raise NodeLocal("--backend nccl but no CUDA device is visible on this node; the container must "
-                        "request nvidia.com/gpu (or use the cpu variant / --backend gloo)")
+                        "request nvidia.com/gpu (or use --backend gloo, as the kind variant does)")
     return f"{torch.cuda.device_count()} CUDA device(s), {torch.cuda.get_device_name(0)}"
 
 

@@ -7,21 +7,20 @@
 The protocol is torch's own DynamicRendezvousHandler (as for its etcd-v2 and c10d backends): the whole
 rendezvous state (round, participants, heartbeats) is one pickled `_RendezvousState` in the key
 `{key_prefix}/{run_id}/state`, written by an etcd transaction that compares the key's mod_revision
-(the fencing token), so exactly one writer wins per token. Different run ids never share a key, so
-a crashed job cannot block a new one; a reused run id recovers once the dead nodes' heartbeats age
-out (keep_alive_interval x keep_alive_max_attempt, 3 s by default).
+(the fencing token), so exactly one writer wins per token. Different run ids never share a key, so a
+crashed job cannot block a new one; a reused run id recovers once the dead nodes' heartbeats age out
+(keep_alive_interval x keep_alive_max_attempt, 3 s by default). A torchrun on a closed rendezvous exits
+at once with one line: 0 if the job finished, 78 if a node gave up (_closed.py).
 
 Bounds: every etcd call has a deadline of read_timeout (10 s by default), and the handler probes etcd
 when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s. Keep the
-keep-alive window above any etcd outage the job must ride out, or the first node back declares all the
-others dead.
+keep-alive window above any etcd outage the job must ride out (else the first one back drops the rest).
 
-Shortcuts on top of torch's protocol, all from the backend side (_prompt.py): a round whose
-participants are every live node completes without the last call; nobody sleeps a blind second
-between looks at the state (an etcd watch wakes them); a SIGKILLed node whose agent port refuses
-connections is dropped at once (_liveness.py, `peer_probe`); and an agent that exits while the job goes
-on (SIGTERM) takes itself out of the state on its way out (_leave.py). Only a frozen node, or one whose
-host vanished, still costs the heartbeat window.
+Shortcuts on top of torch's protocol, from the backend side (_prompt.py): a round whose participants are
+every live node completes without the last call; nobody sleeps a blind second between looks at the state
+(an etcd watch wakes them); a SIGKILLed node whose agent port refuses connections is dropped at once
+(_liveness.py, `peer_probe`); an agent that exits while the job goes on (SIGTERM) takes itself out of
+the state (_leave.py). Only a frozen node, or one whose host vanished, costs the heartbeat window.
 
 --rdzv-conf keys (conf.py's SCHEMA, shared with preflight and status; anything else is rejected, naming the key):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
@@ -33,9 +32,9 @@ host vanished, still costs the heartbeat window.
   secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
   timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
 
-Whatever is read from the state key is checked before torch unpickles it (_state.py): a restricted unpickler
-always; with secret_file an HMAC, and that it is not an older state written back (_replay.py). A refused
-state is ONE error, printed before torch's traceback. secret_file seals the Store's values too (store.py).
+State read from etcd is checked before torch unpickles it (_state.py): a restricted unpickler always; with
+secret_file an HMAC, and that it is not an older state written back (_replay.py); a refused state is ONE
+error. secret_file seals the Store's values too (store.py).
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from elastic_mnist import _torch_compat as compat
 from elastic_mnist import job_secret
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
@@ -240,7 +240,6 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
                                  failure=[t.get(self.key)])
 
         stored = seal_state(self._secret, self.key, state, self._guard.successor(token))
-
         succeeded, responses = self._lease.run("write the rendezvous state", txn)
         kvs = responses[-1]  # the Get's [(value, KVMetadata)]: the state as of this transaction
         if not kvs:
@@ -286,6 +285,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     except UserError as exc:
         report(exc)
         raise
+    exit_if_closed(params.run_id, backend.get_state(), store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     handler = create_handler(store, backend, params)

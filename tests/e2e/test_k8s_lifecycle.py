@@ -26,11 +26,12 @@ from pathlib import Path
 
 import pytest
 from conftest import load_render
+from etcd_fixtures import write_test_pki
 from k8s_manifests import argv, container, find, pod_spec, resolve_env, trainer_job, under
 
 from elastic_mnist import procs
 from elastic_mnist.etcd.server import EtcdServer, free_port
-from elastic_mnist.ops.preflight import PERMANENT
+from elastic_mnist.ops.preflight import NODE_LOCAL, PERMANENT
 from elastic_mnist.rendezvous.status import read_rendezvous_status
 from elastic_mnist.state.format import list_checkpoints
 
@@ -60,10 +61,12 @@ class LocalPod:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.log_path = root / f"pod-{index}.log"
         self.proc: subprocess.Popen | None = None
+        self.backend: str | None = "gloo"  # this machine has no GPU; None keeps the manifest's --backend
 
     def _path(self, value: str) -> str:
         for mount, local in (("/data/mnist", self.mnist), ("/data", str(self.root / "data")),
-                             ("/tmp", str(self.tmp)), ("/etc/elastic-mnist/etcd", str(self.root / "secret"))):
+                             ("/tmp", str(self.tmp)), ("/etc/elastic-mnist/etcd-tls", str(self.root / "tls")),
+                             ("/etc/elastic-mnist/etcd", str(self.root / "secret"))):
             if under(value, mount):
                 return local + value[len(mount):]
         return value
@@ -72,8 +75,11 @@ class LocalPod:
         name, sep, value = arg.partition("=")
         if name == "--rdzv-endpoint":
             return f"{name}={self.endpoint}"
-        if name == "--backend":
-            return "--backend=gloo"
+        if name == "--backend" and self.backend:
+            return f"--backend={self.backend}"
+        if name == "--rdzv-conf":  # key=PATH entries (cacert=...) name files on the pod's volumes too
+            entries = (e.partition("=") for e in value.split(","))
+            return f"{name}=" + ",".join(f"{k}={self._path(v)}" for k, _, v in entries)
         return f"{name}={self._path(value)}" if sep else arg
 
     def command(self, c: dict) -> tuple[list[str], dict[str, str]]:
@@ -100,6 +106,14 @@ class LocalPod:
     def start_trainer(self) -> subprocess.Popen:
         self.proc = self._popen(container(self.job, "trainer"))
         return self.proc
+
+    def plain_torchrun(self, timeout: float = 60) -> subprocess.CompletedProcess:
+        """The trainer container's torchrun arguments run by torchrun itself, without `elastic-mnist pod`."""
+        args, env = self.command(container(self.job, "trainer"))
+        launcher = args[2:args.index("-m")]
+        module, program = args[args.index("-m") + 1], args[args.index("-m") + 2:]
+        return subprocess.run(procs.torchrun_command(launcher, program, module), env=env, cwd=self.tmp,
+                              capture_output=True, text=True, timeout=timeout)
 
     def run(self, timeout: float = 300) -> tuple[int, str | None]:
         """(exit code, the container that gave it): the kubelet's order, init first."""
@@ -206,6 +220,15 @@ def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, sma
 
             # A replacement pod, or a resize that came too late.
             exits_0_at_once_saying(cluster.pod(2), "job already finished at step 20")
+            if variant == render.DEFAULT_OVERLAY:
+                # A late plain torchrun (no pod entry): the backend sees the closed rendezvous and the
+                # agents' exit barrier of its last round, and ends torchrun before its agent starts.
+                start = time.monotonic()
+                late = cluster.pod(5).plain_torchrun()
+                assert time.monotonic() - start < 10, late.stderr
+                assert late.returncode == 0, late.stdout + late.stderr
+                lines = (late.stdout + late.stderr).splitlines()
+                assert len(lines) == 1 and "is closed: the job finished" in lines[0], lines
             # Without the marker the closed rendezvous means a node gave up: fail the Job at once
             # (no crash loop), saying how to resume.
             (cluster.job_dir("checkpoints") / "finished.json").unlink()
@@ -219,10 +242,6 @@ def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, sma
             direct = cluster.pod(0)
             assert direct.start_trainer().wait(60) == PERMANENT, direct.log()
             assert len([line for line in direct.container_log("trainer") if "is closed" in line]) == 1, direct.log()
-            # A 5th node (a resize past --nnodes that the admission policy did not stop) fails the Job.
-            fifth = cluster.pod(4)
-            assert fifth.start_trainer().wait(60) == PERMANENT, fifth.log()
-            assert "pod index 4 is beyond --nnodes' maximum of 4" in fifth.log()
         finally:
             cluster.close()
 
@@ -309,5 +328,56 @@ def test_d_etcd_restart_mid_run(variant, small_mnist, tmp_path):
                 summary = cluster.summary()
                 assert summary["restarts"] >= 1, summary
             assert summary["global_step"] == 200 and summary["world_size"] == 2, summary
+        finally:
+            cluster.close()
+
+
+def test_e_tls_variant_trains_to_the_end_over_https(small_mnist, tmp_path):
+    """The etcd-tls rendering against an etcd that serves https with generated certificates: the etcd-auth
+    sidecar's argv (CA only) applies authentication over TLS, a pod's preflight and trainer verify the
+    server against the mounted ca.crt and train to the end, and the plain-http endpoint is refused."""
+    pki = write_test_pki(tmp_path / "pki")
+    (tmp_path / "tls").mkdir()
+    shutil.copy(pki["ca"], tmp_path / "tls" / "ca.crt")  # the Secret elastic-mnist-etcd-tls, CA item only
+    with EtcdServer(enable_v2=False, auth=True, tls={"cert_file": pki["cert"], "key_file": pki["key"],
+                                                     "ca_file": pki["ca"]}) as server:
+        cluster = Cluster("etcd-tls", tmp_path, server, small_mnist, steps=10)
+        try:
+            etcd = find(cluster.docs, "StatefulSet", "etcd")
+            sidecar = container(etcd, "etcd-auth")
+            args = [a for a in sidecar["args"] if not a.startswith(("--recheck", "--ready-file", "--endpoint"))]
+            args = [a.replace("/etc/elastic-mnist/etcd-tls", str(tmp_path / "tls")) for a in args]
+            secret = tmp_path / "secret"
+            shutil.copy(server.credential_file("root-password"), secret / "root-password")
+            args = [a.replace("/etc/elastic-mnist/etcd", str(secret)) for a in args]
+            auth = subprocess.run([shutil.which("elastic-mnist", path=str(Path(sys.executable).parent)),
+                                   "etcd-auth", f"--endpoint={server.endpoint}", *args], capture_output=True,
+                                  text=True, timeout=120, env=procs.child_env())
+            assert auth.returncode == 0, auth.stdout + auth.stderr
+            pod = cluster.pod(0)
+            assert pod.run(timeout=300) == (0, "trainer"), cluster.logs()
+            assert cluster.summary()["global_step"] == 10
+            assert "protocol=https" in pod.log()
+        finally:
+            cluster.close()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks a node without a GPU")
+def test_f_nccl_preflight_in_a_gpu_less_container_fails_only_its_index(small_mnist, tmp_path):
+    """A GPU variant's pod as it is (--backend=nccl) on this GPU-less machine: the preflight container exits
+    with the node-local code, one FAILED line, and the Job's rule for it is FailIndex, not FailJob."""
+    with etcd_for("kind-gpu") as server:
+        cluster = Cluster("kind-gpu", tmp_path, server, small_mnist, steps=10)
+        try:
+            pod = cluster.pod(0)
+            pod.backend = None
+            assert pod.run(timeout=120) == (NODE_LOCAL, "preflight"), pod.log()
+            assert NODE_LOCAL != PERMANENT and "--backend=nccl" in pod.log()
+            (line,) = [x for x in pod.container_log("preflight") if "FAILED" in x]
+            assert line.startswith("preflight: device: FAILED") and "no CUDA device" in line, line
+            rules = [r for r in cluster.job["spec"]["podFailurePolicy"]["rules"]
+                     if r.get("onExitCodes", {}).get("containerName") == "preflight"
+                     and NODE_LOCAL in r["onExitCodes"]["values"]]
+            assert [r["action"] for r in rules] == ["FailIndex"]
         finally:
             cluster.close()
