@@ -27,13 +27,15 @@ class Job:
             f"--sample-log={tmp_path / 'samples'}", f"--max-steps={max_steps}", "--checkpoint-every=0",
             "--snapshot-every=0", "--min-step-time=0.1", "--log-every=10", "--collective-timeout=60", *extra]
         self.agents: list[subprocess.Popen] = []
+        self.node_env: dict[int, dict] = {}  # node index -> extra environment of its process tree only
 
     def start(self) -> None:
         targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes)
         for i in range(self.nodes):
             log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
             self.agents.append(subprocess.Popen(procs.torchrun_command(targs, self.train_args), stdout=log,
-                                                stderr=subprocess.STDOUT, env=procs.child_env(**self.env),
+                                                stderr=subprocess.STDOUT,
+                                                env=procs.child_env(**self.env, **self.node_env.get(i, {})),
                                                 start_new_session=True, preexec_fn=procs.die_with_parent_preexec()))
             log.close()
 
