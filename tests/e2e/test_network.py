@@ -55,7 +55,8 @@ def test_etcd_away_longer_than_read_timeout_is_ridden_out(tmp_path, small_mnist,
     """Membership is stable, so training goes on while etcd is away; no agent exits, and nothing is redone
     or re-formed when etcd is back (the same workers finish the job)."""
     steps = int(OUTAGE_S / 0.1) + 150  # --min-step-time 0.1: still training when etcd comes back
-    job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", steps, "--global-batch-size=64")
+    job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", steps, "--global-batch-size=64",
+              "--epochs=1000")
     try:
         job.start()
         procs.wait_for(lambda: job.latest_step() >= 30, 240, "the job to train")
