@@ -15,8 +15,7 @@ vanish, nobody answers with a reset) or an nftables drop inside a host's namespa
 Names carry a run id, so parallel and crashed runs never collide. A state file per run
 (/run/elastic-mnist-hosts/RUN.json, written before anything is created) names the owner pid; close() (also
 on Ctrl-C, from the caller's `with`/finally) removes every namespace, link and /etc/netns dir, and every
-new Hosts sweeps the leftovers of owners that died without closing. `python -m elastic_mnist.local.netns
---sweep` does that sweep by hand.
+new Hosts sweeps the leftovers of owners that died without closing (local/netns_owner.py).
 """
 
 from __future__ import annotations
@@ -25,30 +24,34 @@ import ctypes
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.files import atomic_write
+from elastic_mnist.local.netns_owner import (
+    PREFIX,
+    STATE_DIR,
+    HostsError,
+    NotPermitted,
+    check_permitted,
+    kill_netns_processes,
+    leftovers,
+    netns_pids,
+    remove_if_empty,
+    remove_netns,
+    start_time,
+    sweep,
+)
+from elastic_mnist.local.netns_owner import run_tool as _ip
 
-STATE_DIR = "/run/elastic-mnist-hosts"
-PREFIX = "emh-"  # every namespace made here: emh-RUN-HOST
+__all__ = ["PREFIX", "STATE_DIR", "Host", "Hosts", "HostsError", "NotPermitted", "check_permitted", "leftovers",
+           "sweep"]
+
 NETWORK, PREFIX_LEN = "198.18", 15
 TABLE = "elastic_mnist_cut"  # the nftables table of cuts inside a host's namespace
-KILL_DEADLINE_S = 10.0
 _CLONE_NEWNET = 0x40000000
-_TOOLS = ("ip", "nft", "unshare")
-
-
-class HostsError(UserError):
-    """A namespace could not be made or changed; the message names the command and what it said."""
-
-
-class NotPermitted(HostsError):
-    """This process may not make network namespaces (not root, or a container without CAP_SYS_ADMIN)."""
 
 
 @dataclass
@@ -60,79 +63,6 @@ class Host:
     port: str
     """Its link's end on the bridge (in the bridge's namespace): down means the host is unreachable."""
 
-
-def _ip(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess:
-    run = subprocess.run(list(args), input=stdin, capture_output=True, text=True)
-    if check and run.returncode != 0:
-        err = run.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        cls = NotPermitted if "not permitted" in err[0].lower() else HostsError
-        raise cls(f"`{' '.join(args)}` failed: {err[0]}" + (
-            "; network namespaces need root (run as root, or in a container with --privileged)"
-            if cls is NotPermitted else ""))
-    return run
-
-
-def check_permitted() -> None:
-    """Raise NotPermitted (one line naming the fix) unless this process can make network namespaces."""
-    missing = [t for t in _TOOLS if shutil.which(t) is None]
-    if missing:
-        raise HostsError(f"{', '.join(missing)} not found: install iproute2, nftables and util-linux "
-                         "(apt-get install iproute2 nftables util-linux)")
-    if os.geteuid() != 0:
-        raise NotPermitted("several hosts on one machine need network namespaces, which need root: run as root "
-                           "(or in a container with --privileged)")
-
-
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of pid (field 22 of /proc/PID/stat): a reused pid has another one."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def netns_pids(netns: str) -> list[int]:
-    run = _ip("ip", "netns", "pids", netns, check=False)
-    return [int(p) for p in run.stdout.split()] if run.returncode == 0 else []
-
-
-def kill_netns_processes(netns: str) -> None:
-    """SIGKILL every process in the namespace until none is left (a dying parent may fork once more)."""
-    deadline = time.monotonic() + KILL_DEADLINE_S
-    while (pids := netns_pids(netns)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)  # poll until the kernel has reaped them; there is no event to wait on
-
-
-def remove_netns(netns: str) -> None:
-    kill_netns_processes(netns)
-    if os.path.exists(f"/run/netns/{netns}"):
-        _ip("ip", "netns", "del", netns, check=False)  # its veths (and the bridge) go with it
-    shutil.rmtree(f"/etc/netns/{netns}", ignore_errors=True)
-
-
-def sweep(state_dir: str = STATE_DIR) -> list[str]:
-    """Remove what runs whose owner died left behind (namespaces, /etc/netns dirs); the names removed."""
-    removed = []
-    for entry in sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []:
-        path = os.path.join(state_dir, entry)
-        try:
-            with open(path) as f:
-                state = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if _start_time(state["owner"]) == state["owner_start"]:
-            continue  # its owner lives and will clean up itself
-        for netns in state["netns"]:
-            remove_netns(netns)
-            removed.append(netns)
-        os.unlink(path)
-    return removed
 
 
 class Hosts:
@@ -162,11 +92,8 @@ class Hosts:
         self.close()
 
     def _save(self) -> None:
-        state = {"owner": os.getpid(), "owner_start": _start_time(os.getpid()), "netns": self._made}
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, self.state_path)
+        state = {"owner": os.getpid(), "owner_start": start_time(os.getpid()), "netns": self._made}
+        atomic_write(self.state_path, json.dumps(state))
 
     def _make_netns(self, netns: str) -> None:
         self._made.append(netns)
@@ -222,7 +149,8 @@ class Hosts:
 
     def call(self, host: Host | str, fn, *args):
         """fn(*args) with its sockets on `host` (a thread that joined the host's namespace): the test
-        process can dial a host's address or probe a path without starting a process there."""
+        process can dial a host's address or probe a path without starting a process there. Only the network
+        is the host's: names resolve with this machine's /etc/hosts, so dial addresses (Host.address)."""
         netns, out = self.get(host).netns, {}
 
         def inside() -> None:
@@ -294,24 +222,8 @@ class Hosts:
             if os.path.exists(self.state_path):
                 os.unlink(self.state_path)
             self._made, self.hosts = [], {}
-            for shared in ("/etc/netns", os.path.dirname(self.state_path)):
-                try:
-                    os.rmdir(shared)  # only when empty: another run may be using it
-                except OSError:
-                    pass
+            remove_if_empty(os.path.dirname(self.state_path))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def leftovers() -> list[str]:
-    """Namespaces made here that still exist (any run): what a test asserts is empty for its own run."""
-    return [line.split()[0] for line in _ip("ip", "netns", "list").stdout.splitlines()
-            if line.startswith(PREFIX)]
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] != ["--sweep"]:
-        sys.exit("usage: python -m elastic_mnist.local.netns --sweep   (remove hosts of runs whose owner died)")
-    print("\n".join(sweep()) or "nothing left behind")
