@@ -146,3 +146,14 @@ def test_hosts_without_root_is_one_clear_line(small_mnist, tmp_path):
                          timeout=60)
     assert run.returncode != 0 and "need root" in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_etcd_on_its_own_host_is_reached_through_the_bridge_only(hosts, etcd_host):
+    """The etcd_host fixture: healthy (probed from its own host), reachable from a node host, cut for real."""
+    n0 = hosts.add("n0")
+    address, port = etcd_host.endpoint.split(":")
+    assert etcd_host.is_running() and address == hosts.get("etcd").address
+    assert dial(hosts, n0, address, int(port)) == "ok"
+    hosts.cut(n0, "etcd")
+    assert dial(hosts, n0, address, int(port)) == "timeout"
+    assert etcd_host.pid in hosts.pids("etcd"), "etcd runs on its host, under its own pid"
