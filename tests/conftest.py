@@ -74,6 +74,7 @@ def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float
 
 
 from etcd_fixtures import etcd_server, etcd_server_auth, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
+from netns import etcd_host, hosts  # noqa: E402,F401  (several hosts on one machine: network namespaces)
 
 
 @pytest.fixture(autouse=True)

@@ -124,3 +124,24 @@ def test_a_pending_restart_is_dropped_once_another_node_finished_the_job(tmp_pat
     launcher.supervise(_exited_node(launcher, "n1", 0), now=100.1)
     launcher.supervise(failed, now=1000.0)
     assert (failed.restarts, failed.restart_at) == (0, None)
+
+
+def test_host_faults_parse_and_need_hosts(tmp_path):
+    from elastic_mnist.local import chaos
+
+    faults = chaos.parse_schedule("vanish:rank0@step=5,cut:n0-n1@step=9,cut:n1>etcd@time=3s,down:n1@step=20,"
+                                  "heal@after=4s", hosts=True)
+    assert [(f.kind, f.node, f.peer, f.both, f.trigger) for f in faults] == [
+        ("vanish", "rank0", None, True, "step"), ("cut", "n0", "n1", True, "step"),
+        ("cut", "n1", "etcd", False, "time"), ("down", "n1", None, True, "step"), ("heal", None, None, True, "after")]
+    heal = faults[-1]
+    assert heal.previous is faults[-2] and not heal.due(10**6, 10**6), "after= counts from the previous fault"
+    faults[-2].fired, faults[-2].fired_at = True, 0.0
+    assert heal.due(0, 0)
+    for bad, why in [("cut:n0@step=1", "two ends"), ("vanish:n0-n1@step=1", "one node"), ("heal:n0@step=1", "no node"),
+                     ("cut:n0-n1@step=1.5", "expected")]:
+        with pytest.raises(UserError, match=why):
+            chaos.parse_schedule(bad, hosts=True)
+    with pytest.raises(UserError, match="add --hosts"):
+        parse(["--run-dir", str(tmp_path), "--chaos", "vanish:n1@step=5"])
+    assert not os.listdir(tmp_path), "nothing was created"

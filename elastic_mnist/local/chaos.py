@@ -7,19 +7,28 @@ Syntax: comma-separated `KIND[:NODE]@TRIGGER[+cont@TRIGGER]`, TRIGGER = `step=N`
 rank 0 when the fault fires. Kinds: kill (SIGKILL the node's processes: a crashed machine),
 term (SIGTERM to the node's torchrun agent: a spot preemption notice), stop (SIGSTOP: a frozen machine;
 `+cont@...` resumes it), cont, join (start a new node), etcd-restart (stop and restart etcd, same data).
+With `--hosts` (each node on a host of its own, local/hosts.py): vanish (the node's link goes down, then its
+processes die: a VM reclaimed), down (its link down, its processes live on: a blip until `heal`),
+cut:A-B (A and B lose each other's packets, silently; `A>B`: only A's packets to B; B may be `etcd`),
+heal (every cut undone, every link up). TRIGGER `after=Ns`: N seconds after the previous fault fired,
+whether or not the job has recovered from it (`down:n1@step=30,heal@after=4s` is a 4 s blip).
 The report also lists `agent-restart` events: the launcher restarting an agent that exited on its own.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import asdict, dataclass, field
 
 from elastic_mnist.errors import UserError
 
-KINDS = ("kill", "term", "stop", "cont", "join", "etcd-restart")
-NODELESS = ("join", "etcd-restart")
-_ITEM = re.compile(r"^(?P<kind>[a-z-]+)(?::(?P<node>n\d+|rank0))?@(?P<trigger>step=\d+|time=\d+(?:\.\d+)?s?)$")
+HOST_KINDS = ("vanish", "down", "cut", "heal")
+"""Faults of the network between hosts: only with --hosts."""
+KINDS = ("kill", "term", "stop", "cont", "join", "etcd-restart", *HOST_KINDS)
+NODELESS = ("join", "etcd-restart", "heal")
+_ITEM = re.compile(r"^(?P<kind>[a-z-]+)(?::(?P<node>n\d+|rank0)(?:(?P<way>[->])(?P<peer>n\d+|etcd))?)?"
+                   r"@(?P<trigger>step=\d+|(?:time|after)=\d+(?:\.\d+)?s?)$")
 
 
 @dataclass
@@ -27,27 +36,54 @@ class Fault:
     kind: str
     node: str | None
     trigger: str
-    """'step' or 'time'."""
+    """'step', 'time' (since launch) or 'after' (seconds after the previous fault fired)."""
     value: float
     fired: bool = False
+    peer: str | None = None
+    """cut only: the other end (a node or `etcd`)."""
+    both: bool = True
+    """cut only: False drops only node's packets to peer (`A>B`)."""
+    fired_at: float | None = None
+    previous: Fault | None = field(default=None, repr=False)
+    """The fault before this one in the schedule: what an `after=` trigger counts from."""
 
     def due(self, step: int, elapsed_s: float) -> bool:
-        return not self.fired and (step >= self.value if self.trigger == "step" else elapsed_s >= self.value)
+        if self.fired:
+            return False
+        if self.trigger == "after":
+            return self.previous is None or (self.previous.fired_at is not None and
+                                             time.time() - self.previous.fired_at >= self.value)
+        return step >= self.value if self.trigger == "step" else elapsed_s >= self.value
 
 
 def _parse_item(item: str) -> Fault:
     m = _ITEM.match(item.strip())
     if not m or m["kind"] not in KINDS:
-        raise UserError(f"bad --chaos item {item!r}: expected KIND[:NODE]@step=N or @time=Ns with KIND one of "
-                        f"{', '.join(KINDS)} (e.g. kill:n1@step=200,join@time=30s)")
+        raise UserError(f"bad --chaos item {item!r}: expected KIND[:NODE]@step=N, @time=Ns or @after=Ns with KIND "
+                        f"one of {', '.join(KINDS)} (e.g. kill:n1@step=200,join@time=30s)")
     if (m["node"] is None) != (m["kind"] in NODELESS):
         need = "takes no node" if m["kind"] in NODELESS else "needs a node, e.g. kill:n1@step=200"
         raise UserError(f"bad --chaos item {item!r}: {m['kind']} {need}")
+    if (m["peer"] is None) != (m["kind"] != "cut"):
+        need = "needs two ends, e.g. cut:n0-n1 or cut:n1-etcd" if m["kind"] == "cut" else "takes one node"
+        raise UserError(f"bad --chaos item {item!r}: {m['kind']} {need}")
     trigger, value = m["trigger"].split("=")
-    return Fault(m["kind"], m["node"], trigger, float(value.rstrip("s")))
+    return Fault(m["kind"], m["node"], trigger, float(value.rstrip("s")), peer=m["peer"], both=m["way"] != ">")
 
 
-def parse_schedule(text: str) -> list[Fault]:
+def parse_schedule(text: str, hosts: bool = False) -> list[Fault]:
+    """The faults in schedule order; host faults (HOST_KINDS) only when each node has a host (--hosts)."""
+    faults = parse_items(text)
+    for fault, previous in zip(faults[1:], faults):
+        fault.previous = previous
+    needs_hosts = sorted({f.kind for f in faults if f.kind in HOST_KINDS})
+    if needs_hosts and not hosts:
+        raise UserError(f"--chaos {', '.join(needs_hosts)} need each node on a host of its own: add --hosts "
+                        "(root only)")
+    return faults
+
+
+def parse_items(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         head, *conts = item.split("+")
@@ -85,7 +121,8 @@ def account(event: Event, processes: dict[int, list[dict]], journal: list[dict] 
     """
     new_procs = [recs for recs in processes.values() if recs and recs[0]["time"] > event.time]
     old_procs = [recs for recs in processes.values() if recs and recs[0]["time"] <= event.time]
-    if event.kind == "etcd-restart":  # no membership change expected: the same workers keep going
+    # No membership change expected (or, after a blip or heal, none happened): the same workers go on.
+    if event.kind == "etcd-restart" or (event.kind in ("down", "heal") and not new_procs):
         later = [r for recs in old_procs for r in recs if r["time"] > event.time]
         if later:
             first = min(later, key=lambda r: r["time"])

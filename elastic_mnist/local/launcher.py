@@ -24,7 +24,7 @@ from elastic_mnist import config as train_config
 from elastic_mnist import exit_codes, torchrun_settings
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
-from elastic_mnist.local import chaos
+from elastic_mnist.local import chaos, hosts, netns
 from elastic_mnist.local.live import LiveView
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import NODE_ENV, alive, child_env, torchrun_command
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=True,
                    help="restart a node's agent that exits on its own with an error, after a short back-off, as a "
                         "kubelet restarts a container (default on; --no-restart leaves it down)")
+    p.add_argument("--hosts", action="store_true", help="each node and etcd on a host of its own (a network "
+                   "namespace: own address and host name), for the chaos kinds vanish, down, cut, heal (root)")
     return p
 
 
@@ -86,7 +88,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], l
     config = dataclasses.replace(config, **{name: os.path.join(args.run_dir, sub)
                                             for name, sub in fills.items() if name not in given})
     config.check_world_size(args.max_nodes * args.nproc_per_node)
-    return args, config, given, chaos.parse_schedule(args.chaos)
+    if args.hosts:
+        netns.check_permitted()
+    return args, config, given, chaos.parse_schedule(args.chaos, hosts=args.hosts)
 
 
 class Launcher:
@@ -98,6 +102,7 @@ class Launcher:
         self.tail = RunTail(config.sample_log, config.log_dir)
         self.view = LiveView()
         self.etcd = None
+        self.hosts: hosts.LauncherHosts | None = None  # --hosts: set for the run by hosts.for_launcher
         self.t0 = time.time()
         self.nodes_started_at = self.t0
         # Each simulated node's "RAM" for snapshots; removed at the end like a machine's memory.
@@ -111,6 +116,8 @@ class Launcher:
         # torchrun's rendezvous decisions (INFO) go to the node logs unless the user chose a level.
         env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"), **{NODE_ENV: name})
         command = torchrun_command(targs, self.node_config(name).to_argv(), script=self.args.script)
+        if self.hosts:
+            command = self.hosts.wrap(name, command)
         node = Node(name, command, env, self.args.run_dir)
         node.start()
         self.nodes[name] = node
@@ -136,7 +143,7 @@ class Launcher:
         return next((n for n in self.nodes.values() if newest["pid"] in n.tree()), None)
 
     def fire(self, fault: chaos.Fault) -> None:
-        fault.fired = True
+        fault.fired, fault.fired_at = True, time.time()
         event = chaos.Event(fault.kind, fault.node, max(self.tail.latest_step, 0), time.time(), self.tail.world_size)
         node = self._resolve(fault.node) if fault.node else None
         if node is not None:
@@ -160,6 +167,8 @@ class Launcher:
             event.node = self.start_node().name
         elif fault.kind == "etcd-restart":
             self.etcd.restart()
+        elif fault.kind in chaos.HOST_KINDS:
+            event.node = self.hosts.fire(fault, node) or None
         self.events.append(event)
         self.view.event(f"{fault.kind} {event.node or ''} at step {event.at_step} (world {event.world_size_before})")
 
@@ -207,20 +216,25 @@ class Launcher:
         if not pending or not pending[0].due(self.tail.latest_step, time.time() - self.t0):
             return
         faults = [e for e in self.events if e.kind in chaos.KINDS]  # not the launcher's own agent-restarts
-        if faults and faults[-1].kind != "etcd-restart":
+        if faults and faults[-1].kind != "etcd-restart" and pending[0].trigger != "after":
             chaos.account(faults[-1], self.tail.processes)
             if faults[-1].recovery_s is None:
                 return
         self.fire(pending[0])
 
     def run(self) -> int:
+        with hosts.for_launcher(self):  # --hosts: etcd and each node on a host of its own, all removed after
+            return self._run()
+
+    def _run(self) -> int:
         from elastic_mnist.etcd.server import EtcdServer
 
         os.makedirs(self.args.run_dir, exist_ok=True)
         self.view.event(f"run dir {self.args.run_dir}")
-        self.etcd = EtcdServer(data_dir=os.path.join(self.args.run_dir, "etcd"), binary=self.args.etcd_binary,
-                               enable_v2=self.args.rdzv_backend == "etcd",
-                               log_path=os.path.join(self.args.run_dir, "etcd.log")).start()
+        server = self.hosts.etcd if self.hosts else EtcdServer
+        self.etcd = server(data_dir=os.path.join(self.args.run_dir, "etcd"), binary=self.args.etcd_binary,
+                         enable_v2=self.args.rdzv_backend == "etcd",
+                         log_path=os.path.join(self.args.run_dir, "etcd.log")).start()
         with open(os.path.join(self.args.run_dir, "etcd.pid"), "w") as f:
             f.write(f"{self.etcd.pid}\n")
         with open(os.path.join(self.args.run_dir, "etcd.json"), "w") as f:

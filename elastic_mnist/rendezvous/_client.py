@@ -11,8 +11,7 @@ and the call retried once; everything else becomes an `EtcdV3Error` whose messag
 from __future__ import annotations
 
 import os
-import socket
-import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,13 +26,11 @@ import grpc
 from etcd3 import etcdrpc
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.rendezvous._failures import PASSWORD_FILE_ENV, USER_ENV, failure_message, rpc_status
 from elastic_mnist.rendezvous.conf import DEFAULT_KEY_PREFIX, DEFAULT_READ_TIMEOUT_S
 
 T = TypeVar("T")
 DEFAULT_PORT = 2379
-# Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
-USER_ENV = "ELASTIC_MNIST_ETCD_USER"
-PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"
 _GRPC_OPTIONS = [
     ("grpc.enable_http_proxy", 0),  # an $http_proxy meant for the internet must not carry rendezvous traffic
     # gRPC's default reconnect backoff grows to 120 s; after an etcd restart we want to be back within ~2 s.
@@ -63,6 +60,7 @@ class EtcdConnectionSpec:
     user: str | None = None
     password: str | None = field(default=None, repr=False)  # never in a repr, a log or a traceback
     read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    outage_timeout: float = 0.0  # how long a client that etcd answered before waits for it to come back
 
     @property
     def endpoint(self) -> str:
@@ -84,6 +82,8 @@ class EtcdConnectionSpec:
             raise EtcdV3Error(f"protocol must be http or https, not {self.protocol!r}")
         if self.read_timeout <= 0:
             raise EtcdV3Error(f"read_timeout must be a positive number of seconds, not {self.read_timeout}")
+        if self.outage_timeout < 0:
+            raise EtcdV3Error(f"outage_timeout must be 0 or a number of seconds, not {self.outage_timeout}")
         tls_files = {"cacert": self.cacert, "cert": self.cert, "key": self.key}
         if self.protocol == "http" and any(tls_files.values()):
             raise EtcdV3Error("cacert/cert/key given but protocol is http; add protocol=https")
@@ -126,30 +126,6 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
-    """(code, details) of a gRPC failure; etcd3 wraps some codes in its own exceptions, chaining the original."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, grpc.RpcError) and hasattr(seen, "code"):
-            return seen.code(), str(seen.details() or "")
-        seen = seen.__cause__ or seen.__context__
-    return None, str(exc)
-
-
-def speaks_tls(host: str, port: int, timeout: float) -> bool:
-    """Does host:port answer a TLS ClientHello? Tells "wrong protocol" apart from "nobody there"."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only asking whether it speaks TLS at all
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as raw, \
-                ctx.wrap_socket(raw, server_hostname=host):
-            return True
-    except ssl.SSLError as exc:  # a TLS alert (e.g. "certificate required") is still TLS
-        return "alert" in str(exc).lower()
-    except OSError:
-        return False
-
-
 class EtcdV3Client:
     """Thread-safe holder of an etcd3 client: `call()` runs one operation with error translation."""
 
@@ -157,8 +133,12 @@ class EtcdV3Client:
         self.spec, self._error_type, self._lock = spec, error_type, threading.Lock()
         self._client: etcd3.MultiEndpointEtcd3Client | None = None
         self._retired: list[etcd3.MultiEndpointEtcd3Client] = []  # closed at close(): other threads may use them
-        self._answered = False  # has etcd ever answered this client? then an error is an outage, not a typo
+        self._answered: float | None = None  # when etcd last answered (monotonic); once it has, an error
+        # is an outage, not a typo
         self.ride_out_outages = True  # False: fail at once (a process on its way out must not wait)
+        # Past read_timeout, asked whether others still reach etcd: then it is this host that is cut off.
+        self.others_reach_etcd: Callable[[], bool] | None = None
+        self._outage_reported = False
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
         s = self.spec
@@ -190,25 +170,31 @@ class EtcdV3Client:
                 self._client = None
                 self._retired.append(client)
 
+    def answered_within(self, seconds: float) -> bool:
+        """Did etcd answer this client in the last `seconds`?"""
+        return self._answered is not None and time.monotonic() - self._answered < seconds
+
     def call(self, what: str, fn: Callable[[etcd3.MultiEndpointEtcd3Client], T]) -> T:
-        """One retry on a fresh channel; once etcd has answered us, ride out an outage (an etcd restart)
-        for up to read_timeout before failing: an agent whose monitor loop sees one error dies."""
-        attempt, outage_deadline = 0, None
+        """One retry on a fresh channel; once etcd has answered us, ride out an outage (an etcd restart, its
+        pod rescheduled) for up to outage_timeout (at least read_timeout) before failing: an agent whose
+        monitor loop sees one error dies, and a job with stable membership needs no etcd to train."""
+        attempt, outage_started = 0, None
         while True:
             attempt += 1
             client = None
             try:
                 client = self.raw()
                 result = fn(client)
-                self._answered = True
+                self._answered, self._outage_reported = time.monotonic(), False
                 return result
             except (grpc.RpcError, etcd3.exceptions.Etcd3Exception, self._error_type) as exc:
                 code, details = rpc_status(exc)
                 transient = code in _RETRY_CODES or any(d in details for d in _RETRY_DETAILS) or (
                     isinstance(exc, self._error_type) and "unreachable" in str(exc))
-                if transient and self._answered and self.ride_out_outages:
-                    outage_deadline = outage_deadline or time.monotonic() + self.spec.read_timeout
-                    if time.monotonic() < outage_deadline:
+                transient = transient or (code == grpc.StatusCode.DEADLINE_EXCEEDED and self.spec.outage_timeout > 0)
+                if transient and self._answered is not None and self.ride_out_outages:
+                    outage_started = outage_started or time.monotonic()
+                    if self._keep_waiting(time.monotonic() - outage_started, what):
                         if client is not None:
                             self._drop(client)
                         time.sleep(0.2)
@@ -219,6 +205,19 @@ class EtcdV3Client:
                 if isinstance(exc, self._error_type):
                     raise
                 raise self.translate(exc, what) from exc
+
+    def _keep_waiting(self, elapsed: float, what: str) -> bool:
+        s = self.spec
+        if elapsed < s.read_timeout:
+            return True  # a restart, a blip: as before
+        if elapsed >= s.outage_timeout or (self.others_reach_etcd is not None and self.others_reach_etcd()):
+            return False  # too long, or only we are cut off from etcd: leave as before
+        if not self._outage_reported:
+            self._outage_reported = True
+            print(f"elastic-mnist etcd-v3: warning: etcd at {s.endpoint} has not answered for {elapsed:.0f}s "
+                  f"({what}); waiting up to outage_timeout={s.outage_timeout:g}s, training goes on meanwhile",
+                  file=sys.stderr, flush=True)
+        return True
 
     def wait_for_change(self, key: str | bytes, after_revision: int, seconds: float, prefix: bool = False) -> bool:
         """Block until `key` (every key under it, with prefix) changes after `after_revision`, or `seconds`
@@ -253,39 +252,7 @@ class EtcdV3Client:
             stream.cancel()
 
     def translate(self, exc: BaseException, what: str) -> Exception:
-        code, details = rpc_status(exc)
-        where, s = f"etcd at {self.spec.endpoint}", self.spec
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            msg = f"{where} did not answer within read_timeout={s.read_timeout:g}s ({what})"
-        elif code == grpc.StatusCode.UNAVAILABLE:
-            msg = self._unavailable(details)
-        elif "authentication failed" in details:
-            msg = f"{where} rejected user {s.user!r}: wrong user name or password"
-        elif "user name is empty" in details or code == grpc.StatusCode.UNAUTHENTICATED:
-            msg = (f"{where} requires authentication: pass --rdzv-conf user=NAME,password_file=PATH "
-                   f"(or set ${USER_ENV} and ${PASSWORD_FILE_ENV})")
-        elif "authentication is not enabled" in details:
-            msg = f"{where} does not have authentication enabled; drop user/password_file from --rdzv-conf"
-        elif code == grpc.StatusCode.PERMISSION_DENIED:
-            msg = f"{where}: user {s.user!r} may not {what} ({details}); grant it readwrite on the key prefix"
-        else:
-            msg = f"{where}: {what} failed: {code.name if code else type(exc).__name__}: {details}"
-        return self._error_type(msg)
-
-    def _unavailable(self, details: str) -> str:
-        where, s, lowered = f"etcd at {self.spec.endpoint}", self.spec, details.lower()
-        if any(w in lowered for w in ("bad_certificate", "certificate required", "certificate_required")):
-            if not s.cert:
-                return (f"{where} requires a client certificate (it runs with --client-cert-auth): "
-                        "add cert=PATH,key=PATH to --rdzv-conf")
-            return f"{where} rejected the client certificate {s.cert!r}: it must be signed by etcd's --trusted-ca-file"
-        if any(w in lowered for w in ("ssl", "tls", "handshake", "certificate")):
-            return (f"TLS with {where} failed: {details}; check protocol=https and the cacert/cert/key "
-                    "files (the server certificate must name the endpoint's host)")
-        if s.protocol == "http" and "refused" not in lowered and speaks_tls(s.host, s.port, min(2.0, s.read_timeout)):
-            return (f"{where} answers with TLS, not plain http: add protocol=https and cacert=PATH "
-                    "(the CA of etcd's certificate) to --rdzv-conf")
-        return f"{where} is unreachable ({details}); is etcd running there? Start one with `elastic-mnist etcd`"
+        return self._error_type(failure_message(self.spec, exc, what))
 
     def close(self) -> None:
         with self._lock:

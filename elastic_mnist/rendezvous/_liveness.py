@@ -26,7 +26,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key, split_endpoint
 from elastic_mnist.rendezvous._lease import LeaseKeeper
@@ -45,9 +45,11 @@ def advertised_host(etcd_host: str, etcd_port: int) -> str:
 
 
 class Beacon:
-    """A listening socket that accepts and drops connections, for as long as this process lives."""
+    """A listening socket that accepts connections, answers one byte (`status()`: b"1" while this agent
+    reaches etcd, else b"0") and drops them, for as long as this process lives."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, status: Callable[[], bytes] = lambda: b"0") -> None:
+        self._status = status
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
@@ -66,6 +68,10 @@ class Beacon:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            try:
+                conn.send(self._status())  # one byte into a fresh socket's buffer: never blocks
+            except OSError:
+                pass  # the prober only wanted the handshake
             conn.close()
 
     def close(self) -> None:
@@ -127,16 +133,28 @@ class PeerLiveness:
         self._own: str | None = None
         self._answered: dict[str, float] = {}  # node -> when its beacon last did not refuse
         self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
+        self._peers: dict[str, str] = {}  # node -> beacon address, as last listed: asked during an etcd outage
+        self.reach_window_s = 3.0  # "this agent reaches etcd": it answered within this long
 
     def publish(self, node: str) -> None:
         """Start the beacon and write its address and host name; safe to repeat (one beacon per process)."""
         if self._beacon is None:
             spec = self._client.spec
-            self._beacon = Beacon(advertised_host(spec.host, spec.port))
+            status = lambda: b"1" if self._client.answered_within(self.reach_window_s) else b"0"  # noqa: E731
+            self._beacon = Beacon(advertised_host(spec.host, spec.port), status)
         key = self._dir + node
         value = seal(self._secret, key, f"{self._beacon.address} {socket.gethostname()}".encode())
         self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
         self._own = node
+
+    def _republish_if_missing(self, names: set[str]) -> None:
+        # Another agent took our key (a refusal it got wrong, a node back under its old name): without it
+        # nobody probes us again, so put it back.
+        if self._own is not None and self._own not in names:
+            try:
+                self.publish(self._own)
+            except (OSError, EtcdV3Error):
+                pass  # next look again
 
     def gone(self, nodes: Iterable[str]) -> set[str]:
         """Of `nodes`, those whose published beacon refuses connections (none without a published one;
@@ -146,15 +164,18 @@ class PeerLiveness:
         if not wanted:
             return set()
         published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
-        addresses = {}
+        addresses, peers = {}, {}
         for value, meta in published:
             key = meta.key.decode()
             name = key[len(self._dir):]
-            if name in wanted:
-                address = self._probeable(key, value)
-                if address:
-                    addresses[name] = address
-                    self._revisions[name] = meta.mod_revision
+            address = self._probeable(key, value) if name != self._own else None
+            if address:
+                peers[name] = address
+            if name in wanted and address:
+                addresses[name] = address
+                self._revisions[name] = meta.mod_revision
+        self._peers = peers
+        self._republish_if_missing({meta.key.decode()[len(self._dir):] for _, meta in published})
         dead = refused(addresses)
         for name in dead:
             self._answered.pop(name, None)
@@ -169,8 +190,27 @@ class PeerLiveness:
             return None  # not written by this job: no proof of anything
         # A loopback beacon (etcd reached through 127.0.0.1, e.g. a local proxy) is only ours to probe on
         # the host that published it: elsewhere the same address is our own loopback, which would refuse.
+        # Likewise an address that is also this host's own (two hosts behind NAT, docker's 172.17.0.2):
+        # a probe would reach this host, whose refusal says nothing about the other one.
+        if not host or host == socket.gethostname():
+            return address
         loopback = address.startswith(("127.", "[::1]"))
-        return None if loopback and host and host != socket.gethostname() else address
+        ours = self._beacon is not None and address.rpartition(":")[0] == self._beacon.address.rpartition(":")[0]
+        return None if loopback or ours else address
+
+    def others_reach_etcd(self, timeout: float = PROBE_TIMEOUT_S) -> bool:
+        """Does any other agent of the job (as last listed) answer that it reaches etcd? Asked while this
+        one cannot: then etcd is not away, this host is cut off from it."""
+        for address in list(self._peers.values()):
+            try:
+                host, port = _split(address)
+                with socket.create_connection((host, port), timeout=timeout) as s:
+                    s.settimeout(timeout)
+                    if s.recv(1) == b"1":
+                        return True
+            except (ValueError, OSError):
+                continue  # unreachable, frozen, or an old beacon that answers nothing: no word either way
+        return False
 
     def forget(self, node: str) -> None:
         """Remove a dead node's beacon key (it has no owner left to do it), unless it was written again since

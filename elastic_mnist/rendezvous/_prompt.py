@@ -8,9 +8,11 @@ state, it caches the state for one second (so an agent notices a joining node up
 keeps a SIGKILLed node in the round until its heartbeat is older than the keep-alive window. Here:
 
 - `RoundView` is what torch is shown of every state it reads: the heartbeat of a participant whose
-  beacon refuses connections (_liveness.py) is aged out, so torch's own sanitizer drops it now; and an
-  open round (after the first) whose participants are every node with a live heartbeat gets a last-call
-  deadline in the past, so the next node to look completes it.
+  beacon refuses connections (_liveness.py) is aged out, so torch's own sanitizer drops it now; every
+  other heartbeat is aged on this agent's own monotonic clock, never another host's wall clock
+  (_clock.py); and an open round (after the first) whose participants are every node with a live
+  heartbeat gets a last-call deadline in the past, so the next node to look completes it. `restore`
+  undoes the clock rewrite in what torch writes back.
 - `make_prompt` gives the handler a state holder without the 1 s cache, and an op executor that, where
   torch would sleep 1 s, waits for the state key to change (an etcd watch), for at most that second.
 
@@ -32,17 +34,20 @@ from elastic_mnist._torch_compat import (
     RendezvousContext,
     RendezvousExitOp,
 )
+from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 
-LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat, or a last-call deadline, long passed
+__all__ = ["LONG_AGO", "POLL_S", "PromptOpExecutor", "RoundView", "close_when_everyone_is_in", "make_prompt"]
 POLL_S = 1.0  # torch's pause between looks at the state; now the longest wait for a change
 
 
 class RoundView:
     """Applied to each state read from etcd, after `unseal` checked it (so it names only torch's classes)."""
 
-    def __init__(self, window: timedelta, liveness: PeerLiveness | None) -> None:
+    def __init__(self, window: timedelta, liveness: PeerLiveness | None,
+                 last_call: timedelta = timedelta(seconds=1)) -> None:
         self.window, self.liveness = window, liveness
+        self.clock = HeartbeatClock(window, last_call)
         # Found dead by this agent, with the heartbeat each had then: a dead agent writes no newer one, so
         # a stale state naming it is aged again, and a newer heartbeat means it lives (a refusal we got
         # wrong, or an agent back under the same name).
@@ -50,9 +55,16 @@ class RoundView:
 
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
-        changed = self._drop_dead(state)
+        changed = self._drop_dead(state)  # on the values as written: a dead node's last one is remembered
+        changed = self.clock.present(state) or changed
         changed = close_when_everyone_is_in(state, self.window) or changed
         return pickle.dumps(state) if changed else state_bits
+
+    def restore(self, state_bits: bytes) -> bytes:
+        """A state torch is about to write, with every heartbeat it did not change back as its node wrote it."""
+        state = pickle.loads(state_bits)  # noqa: S301 - torch's own pickle of the state it holds
+        self.clock.restore(state)
+        return pickle.dumps(state)
 
     def _drop_dead(self, state) -> bool:
         # Probing only while a round forms: a steady job costs no connections. Every node with a

@@ -24,6 +24,7 @@ BACKEND_NAME = "etcd-v3"
 DEFAULT_READ_TIMEOUT_S = 10.0  # each etcd call's deadline: an unreachable etcd is one error within 10 s
 DEFAULT_KEY_PREFIX = "/torchelastic/v3"  # next to torch's /torchelastic/p2p (v2), never inside it
 DEFAULT_LEASE_TTL_S = 7200  # keys of a job that vanished expire after 2 h (_lease.py)
+DEFAULT_OUTAGE_TIMEOUT_S = 360.0  # an etcd away this long (its pod rescheduled, a node drained) is ridden out
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ SCHEMA: Mapping[str, Key] = MappingProxyType({
     "password_file": Key(str, None, "connection"),
     "password": Key(str, None, "connection", secret=True),
     "read_timeout": Key(float, DEFAULT_READ_TIMEOUT_S, "connection"),
+    "outage_timeout": Key(float, DEFAULT_OUTAGE_TIMEOUT_S, "connection"),
     "secret_file": Key(str, None, "backend"),
     "key_prefix": Key(str, DEFAULT_KEY_PREFIX, "backend"),
     "lease_ttl": Key(int, DEFAULT_LEASE_TTL_S, "backend"),
@@ -109,10 +111,12 @@ def connection_spec(endpoint: str, conf: Mapping[str, Any]) -> EtcdConnectionSpe
     from elastic_mnist.rendezvous._secrets import credentials
 
     read_timeout = _number(conf, "read_timeout")
+    outage = _number(conf, "outage_timeout")
     try:
         user, password = credentials(conf.get("user"), conf.get("password"), conf.get("password_file"))
         return EtcdConnectionSpec.parse(endpoint, conf.get("protocol"), read_timeout, user=user, password=password,
-                                        **{k: conf.get(k) for k in ("cacert", "cert", "key")})
+                                        **{k: conf.get(k) for k in ("cacert", "cert", "key")},
+                                        **({} if outage is None else {"outage_timeout": outage}))
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(str(exc)) from exc
 

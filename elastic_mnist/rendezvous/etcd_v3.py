@@ -43,8 +43,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed import Store
@@ -59,32 +57,29 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist import job_secret
 from elastic_mnist.errors import UserError
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._replay import ReplayGuard
-from elastic_mnist.rendezvous._secrets import secret
+from elastic_mnist.rendezvous._settings import EtcdV3Settings, parse_settings
 from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, seal_state, unseal_state
 from elastic_mnist.rendezvous.conf import (
     BACKEND_NAME,
     DEFAULT_KEY_PREFIX,
-    DEFAULT_LEASE_TTL_S,
-    HANDLER_KEYS,
     SCHEMA,
     VALID_KEYS,
     EtcdV3ConfigError,
-    check_keys,
-    connection_spec,
 )
 from elastic_mnist.rendezvous.store import EtcdV3Store
 from elastic_mnist.torchrun_settings import RDZV_CONF
 
 # The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
 __all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",
-           "EtcdV3StateError", "create_backend", "create_rdzv_handler", "parse_settings", "with_tuned_defaults"]
+           "EtcdV3Settings", "EtcdV3StateError", "create_backend", "create_rdzv_handler", "parse_settings",
+           "with_tuned_defaults"]
 # torch unpickles what this backend returns: the classes our unpickler admits must still be torch's.
 compat.check_pickled_classes(ALLOWED_CLASSES)
 
@@ -107,54 +102,6 @@ def report(exc: BaseException) -> None:
     if line not in _reported:
         _reported.add(line)
         print(line, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class EtcdV3Settings:
-    connection: EtcdConnectionSpec
-    key_prefix: str
-    lease_ttl: int
-    secret: bytes | None = None
-    peer_probe: bool = True
-
-
-def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
-    try:
-        value = params.get_as_int(key, default)
-    except ValueError as exc:
-        raise EtcdV3ConfigError(f"--rdzv-conf {key}={params.get(key)!r} is not an integer") from exc
-    return default if value is None else value
-
-
-def _lease_ttl(params: RendezvousParameters) -> int:
-    lease_ttl = _int_option(params, "lease_ttl", DEFAULT_LEASE_TTL_S)
-    floor = max(10, 3 * _int_option(params, "keep_alive_interval", 5))  # a few heartbeats must fit in one TTL
-    if lease_ttl < 0 or 0 < lease_ttl < floor:
-        raise EtcdV3ConfigError(f"lease_ttl={lease_ttl} must be 0 (keys never expire) or >= {floor} "
-                                "(3 x keep_alive_interval, at least 10 s)")
-    return lease_ttl
-
-
-def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
-    """Validate params.config (unknown keys, numbers, TLS files, credentials) before any RPC."""
-    check_keys(params.config)
-    for key in HANDLER_KEYS:  # torch would only fail on these later, mid-rendezvous
-        if _int_option(params, key, 1) <= 0:
-            raise EtcdV3ConfigError(f"--rdzv-conf {key} must be a positive integer")
-    prefix = str(params.get("key_prefix") or DEFAULT_KEY_PREFIX)
-    try:
-        run_key(prefix, params.run_id, "state")
-    except EtcdV3Error as exc:
-        raise EtcdV3ConfigError(f"--rdzv-id: {exc}") from exc
-    try:
-        job_secret = secret(params.get("secret_file"))
-    except EtcdV3Error as exc:
-        raise EtcdV3ConfigError(str(exc)) from exc
-    probe = _int_option(params, "peer_probe", 1)
-    if probe not in (0, 1):
-        raise EtcdV3ConfigError(f"--rdzv-conf peer_probe must be 0 or 1, not {params.get('peer_probe')!r}")
-    return EtcdV3Settings(connection_spec(params.endpoint, params.config), prefix, _lease_ttl(params), job_secret,
-                          bool(probe))
 
 
 class EtcdV3RendezvousBackend(RendezvousBackend):
@@ -239,6 +186,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return c.transaction(compare=[guard], success=[t.put(self.key, stored, lease=lease), t.get(self.key)],
                                  failure=[t.get(self.key)])
 
+        if self._view is not None:
+            state = self._view.restore(state)
         stored = seal_state(self._secret, self.key, state, self._guard.successor(token))
         succeeded, responses = self._lease.run("write the rendezvous state", txn)
         kvs = responses[-1]  # the Get's [(value, KVMetadata)]: the state as of this transaction
@@ -260,12 +209,13 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
     settings = parse_settings(params)
     client = EtcdV3Client(settings.connection, error_type=EtcdV3ConnectionError)
     lease = LeaseKeeper(client, settings.lease_ttl)
-    window = timedelta(seconds=_int_option(params, "keep_alive_interval", 5)
-                       * _int_option(params, "keep_alive_max_attempt", 3))  # torch's defaults
     liveness = PeerLiveness(client, lease, settings.key_prefix, params.run_id, settings.secret) \
         if settings.peer_probe else None
+    if liveness is not None:  # in an etcd outage, the peers' beacons tell "etcd away" from "we are cut off"
+        liveness.reach_window_s = settings.window.total_seconds()
+        client.others_reach_etcd = liveness.others_reach_etcd
     backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret,
-                                      RoundView(window, liveness))
+                                      RoundView(settings.window, liveness, settings.last_call))
     store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease,
                         secret=settings.secret)
     try:

@@ -27,15 +27,21 @@ class Job:
             f"--sample-log={tmp_path / 'samples'}", f"--max-steps={max_steps}", "--checkpoint-every=0",
             "--snapshot-every=0", "--min-step-time=0.1", "--log-every=10", "--collective-timeout=60", *extra]
         self.agents: list[subprocess.Popen] = []
+        self.node_env: dict[int, dict] = {}  # node index -> extra environment of its process tree only
 
     def start(self) -> None:
         targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes)
         for i in range(self.nodes):
             log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
-            self.agents.append(subprocess.Popen(procs.torchrun_command(targs, self.train_args), stdout=log,
-                                                stderr=subprocess.STDOUT, env=procs.child_env(**self.env),
+            argv = self.command(i, procs.torchrun_command(targs, self.train_args))
+            self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                env=procs.child_env(**self.env, **self.node_env.get(i, {})),
                                                 start_new_session=True, preexec_fn=procs.die_with_parent_preexec()))
             log.close()
+
+    def command(self, node: int, argv: list[str]) -> list[str]:
+        """How node `node`'s agent is started: here, on this machine."""
+        return argv
 
     def latest_step(self) -> int:
         return max((r["step"] for r in read_records(str(self.tmp / "samples"))), default=-1)
@@ -72,3 +78,18 @@ class Job:
                 except ProcessLookupError:
                     pass
             a.wait()
+
+
+class HostJob(Job):
+    """A Job whose node i runs on host `n{i}` of `hosts` (tests/netns.py's fixture; made on first start), e.g.
+    `HostJob(hosts, tmp_path, data, etcd_host.endpoint, "etcd-v3", 60)`, then `hosts.cut("n0", "n1")`."""
+
+    def __init__(self, hosts, *args, **kw):
+        super().__init__(*args, **kw)
+        self.hosts = hosts
+
+    def command(self, node: int, argv: list[str]) -> list[str]:
+        name = f"n{node}"
+        if name not in self.hosts.hosts:
+            self.hosts.add(name)
+        return self.hosts.command(name, argv)

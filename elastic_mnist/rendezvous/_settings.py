@@ -1,0 +1,82 @@
+"""`--rdzv-conf` of `--rdzv-backend=etcd-v3` as the backend uses it: every value checked before any RPC.
+
+    python -m pytest tests/test_rendezvous_etcd_v3.py -q -k rejected   # every bad value: one line naming it
+
+The keys themselves (names, defaults, who reads them) are conf.py's SCHEMA; this turns one job's values
+into `EtcdV3Settings`, with one error line naming the key for each bad one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._secrets import secret
+from elastic_mnist.rendezvous.conf import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_OUTAGE_TIMEOUT_S,
+    HANDLER_KEYS,
+    EtcdV3ConfigError,
+    check_keys,
+    connection_spec,
+)
+
+
+@dataclass(frozen=True)
+class EtcdV3Settings:
+    connection: EtcdConnectionSpec
+    key_prefix: str
+    lease_ttl: int
+    secret: bytes | None = None
+    peer_probe: bool = True
+    window: timedelta = timedelta(seconds=3)
+    """keep_alive_interval x keep_alive_max_attempt: how long a silent node stays in the rendezvous."""
+    last_call: timedelta = timedelta(seconds=1)
+
+
+def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
+    try:
+        value = params.get_as_int(key, default)
+    except ValueError as exc:
+        raise EtcdV3ConfigError(f"--rdzv-conf {key}={params.get(key)!r} is not an integer") from exc
+    return default if value is None else value
+
+
+def _lease_ttl(params: RendezvousParameters) -> int:
+    lease_ttl = _int_option(params, "lease_ttl", DEFAULT_LEASE_TTL_S)
+    floor = max(10, 3 * _int_option(params, "keep_alive_interval", 5))  # a few heartbeats must fit in one TTL
+    if lease_ttl < 0 or 0 < lease_ttl < floor:
+        raise EtcdV3ConfigError(f"lease_ttl={lease_ttl} must be 0 (keys never expire) or >= {floor} "
+                                "(3 x keep_alive_interval, at least 10 s)")
+    return lease_ttl
+
+
+def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
+    """Validate params.config (unknown keys, numbers, TLS files, credentials) before any RPC."""
+    check_keys(params.config)
+    for key in HANDLER_KEYS:  # torch would only fail on these later, mid-rendezvous
+        if _int_option(params, key, 1) <= 0:
+            raise EtcdV3ConfigError(f"--rdzv-conf {key} must be a positive integer")
+    prefix = str(params.get("key_prefix") or DEFAULT_KEY_PREFIX)
+    try:
+        run_key(prefix, params.run_id, "state")
+    except EtcdV3Error as exc:
+        raise EtcdV3ConfigError(f"--rdzv-id: {exc}") from exc
+    try:
+        job_secret = secret(params.get("secret_file"))
+    except EtcdV3Error as exc:
+        raise EtcdV3ConfigError(str(exc)) from exc
+    probe = _int_option(params, "peer_probe", 1)
+    if probe not in (0, 1):
+        raise EtcdV3ConfigError(f"--rdzv-conf peer_probe must be 0 or 1, not {params.get('peer_probe')!r}")
+    window = timedelta(seconds=_int_option(params, "keep_alive_interval", 5)
+                       * _int_option(params, "keep_alive_max_attempt", 3))  # torch's defaults
+    last_call = timedelta(seconds=_int_option(params, "last_call_timeout", 30))
+    # The agent rides out an etcd outage (preflight and status, which also read the schema, do not).
+    conn = connection_spec(params.endpoint, {"outage_timeout": DEFAULT_OUTAGE_TIMEOUT_S, **params.config})
+    return EtcdV3Settings(conn, prefix, _lease_ttl(params), job_secret,
+                          bool(probe), window, last_call)
