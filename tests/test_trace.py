@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 
 from elastic_mnist.errors import UserError
 from elastic_mnist.local import goodput
-from elastic_mnist.local.launcher import parse
+from elastic_mnist.local.launcher import Launcher, parse
+from elastic_mnist.local.nodes import Node
 from elastic_mnist.local.trace import load_trace, parse_window
+from elastic_mnist.procs import child_env
 
 
 def _trace(tmp_path, data, gap=300):
@@ -99,3 +103,77 @@ def test_each_change_costs_its_window_and_real_scale_uses_real_intervals():
     assert rs["ettr_without_startup_cost"] == pytest.approx(1 - 10 / 2400, abs=1e-4)
     assert [s["nodes"] for s in acc["series"]] == [1] * 5 + [0] * 2 + [1] * 3
     assert acc["series"][-1]["useful_samples"] == 50
+
+
+class _StandInLauncher(Launcher):
+    """The real launcher whose nodes are real processes that only wait to be signalled (no torchrun)."""
+
+    def start_node(self) -> Node:
+        name = f"n{len(self.nodes)}"
+        node = Node(name, ["sleep", "120"], child_env(), self.args.run_dir)
+        node.start()
+        os.makedirs(self.node_config(name).snapshot_dir, exist_ok=True)  # the machine's memory
+        self.nodes[name] = node
+        return node
+
+
+def _replay(tmp_path, seed: int, *argv: str) -> _StandInLauncher:
+    path = _trace(tmp_path, [3, 1, 1, 2, 0])
+    launcher = _StandInLauncher(*parse(["--trace", path, "--run-dir", str(tmp_path / f"run{seed}"),
+                                        "--trace-seed", str(seed), "--notice", "1.5", *argv]))
+    return launcher
+
+
+def _close(launcher) -> None:
+    for node in launcher.nodes.values():
+        node.shutdown(grace_s=5)
+    shutil.rmtree(launcher.shm_root, ignore_errors=True)
+
+
+def _drive(launcher, t0: float, until: float) -> None:
+    """The poll loop's calls at chosen times: the replay reads no clock of its own."""
+    for k in range(int(until * 2) + 1):
+        launcher.replay.tick(t0 + k / 2)
+
+
+def test_the_node_count_follows_the_trace_with_seeded_preemptions_and_notice(tmp_path):
+    launcher = _replay(tmp_path, 7, "--tick", "1")
+    t0 = 1000.0
+    try:
+        launcher.replay.tick(t0)
+        assert sorted(launcher.nodes) == ["n0", "n1", "n2"]
+        launcher.replay.tick(t0 + 1)
+        gone = [e.node for e in launcher.events if e.kind == "preempt"]
+        assert len(gone) == 2 and all(launcher.nodes[n].injected for n in gone)
+        for n in gone:  # SIGTERM first: the notice
+            assert launcher.nodes[n].proc.wait(timeout=30) == -15
+            assert os.path.isdir(launcher.node_config(n).snapshot_dir), "memory kept during the notice"
+        launcher.replay.tick(t0 + 2.5)  # notice over: the machines are gone, their memory with them
+        assert not any(os.path.exists(launcher.node_config(n).snapshot_dir) for n in gone)
+        _drive(launcher, t0 + 3, 2)
+        kinds = [(e.kind, e.node) for e in launcher.events]
+        assert kinds[5] == ("join", "n3") and len(launcher.replay.live) == 0
+        assert [c for _, c in launcher.replay.timeline] == [3, 1, 2, 0] and launcher.replay.window_done
+        assert launcher.replay.over()
+    finally:
+        _close(launcher)
+    again = _replay(tmp_path, 7, "--tick", "1")
+    try:
+        again.replay.tick(t0)
+        again.replay.tick(t0 + 1)
+        assert [e.node for e in again.events if e.kind == "preempt"] == gone, "the same seed, the same nodes"
+    finally:
+        _close(again)
+
+
+def test_restart_all_kills_the_whole_job_at_every_change(tmp_path):
+    launcher = _replay(tmp_path, 0, "--tick", "1", "--on-change", "restart-all")
+    try:
+        launcher.replay.tick(0.0)
+        first_id = launcher.run_id
+        launcher.replay.tick(1.0)
+        assert all(launcher.nodes[n].returncode == -9 for n in ("n0", "n1", "n2")), "no notice, no save"
+        assert [n.name for n in launcher.replay.live] == ["n3"] and launcher.run_id != first_id
+        assert (launcher.args.min_nodes, launcher.args.max_nodes) == (1, 1), "a static job at the new size"
+    finally:
+        _close(launcher)
