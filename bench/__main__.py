@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rewrite {DOCS.relative_to(REPO)} between the bench markers")
     p.add_argument("--spot-only", action="store_true",
                    help="only the spot trace replay (three systems, ~20 min; full mode runs it after the rest)")
+    p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
+    p.add_argument("--spot-tick", type=float, default=spot.SpotSettings.tick_s,
+                   help=f"seconds per trace interval in the spot replay (default {spot.SpotSettings.tick_s})")
     return p
 
 
@@ -175,7 +178,8 @@ def run_spot(args, work: Path) -> int:
         return 1
     started = time.time()
     try:
-        result = spot.measure(Runner(work), spot.SpotSettings(os.path.abspath(args.data_dir)))
+        result = spot.measure(Runner(work), spot.SpotSettings(os.path.abspath(args.data_dir), trace=args.spot_trace,
+                                                                tick_s=args.spot_tick))
     except BenchError as e:
         log(f"error: {e}")
         return 1

@@ -177,3 +177,14 @@ def test_restart_all_kills_the_whole_job_at_every_change(tmp_path):
         assert (launcher.args.min_nodes, launcher.args.max_nodes) == (1, 1), "a static job at the new size"
     finally:
         _close(launcher)
+
+
+def test_the_workload_profile_and_the_c10d_baseline_flags():
+    from elastic_mnist.config import parse_args
+    from elastic_mnist.torchrun_settings import torchrun_args
+
+    assert parse_args(["--startup-cost", "8", "--min-step-time", "0.3"]).startup_cost == 8
+    with pytest.raises(UserError, match="--startup-cost"):
+        parse_args(["--startup-cost", "-1"])
+    c10d = torchrun_args("c10d", "127.0.0.1:29400", "job")
+    assert "--rdzv-backend=c10d" in c10d and not any(a.startswith("--rdzv-conf") for a in c10d), "torch's defaults"
