@@ -2,6 +2,7 @@
 
     python -m bench --data-dir ../shared/data --update-docs        # full: 15-25 min on 2 cores
     python -m bench --quick --out /tmp/bench                        # ~2 min, small generated data set
+    python -m bench --spot-only --data-dir ../shared/data --update-docs   # the spot replay alone (bench/spot.py)
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
 OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import elastic, overhead, plots, report, settings, targets, throughput
+from bench import elastic, overhead, plots, report, settings, spot, targets, throughput
 from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
@@ -42,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs of every run)")
     p.add_argument("--update-docs", action="store_true",
                    help=f"rewrite {DOCS.relative_to(REPO)} between the bench markers")
+    p.add_argument("--spot-only", action="store_true",
+                   help="only the spot trace replay (three systems, ~20 min; full mode runs it after the rest)")
+    p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
+    p.add_argument("--spot-tick", type=float, default=spot.SpotSettings.tick_s,
+                   help=f"seconds per trace interval in the spot replay (default {spot.SpotSettings.tick_s})")
     return p
 
 
@@ -128,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
     started = time.time()
+    if args.spot_only:
+        try:
+            return run_spot(args, work)
+        finally:
+            if not args.keep_work and not args.work_dir:
+                shutil.rmtree(work, ignore_errors=True)
     try:
         s = _settings(args, work)
         machine = describe()
@@ -144,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         results.update(finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"), wall_s=round(time.time() - started, 1))
         results["commands"] = commands({k: v for k, v in results.items() if k != "commands"})
         write_outputs(results, Path(args.out), args.update_docs)
+        if s.mode == "full":
+            run_spot(args, work)
     except BenchError as e:
         log(f"error: {e}")
         return 1
@@ -154,6 +168,26 @@ def main(argv: list[str] | None = None) -> int:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         log(f"target {t['id']}: {verdict} ({t['value']} {t['op']} {t['threshold']}) {t['detail']}")
     log(f"done in {time.time() - started:.0f} s")
+    return 0
+
+
+def run_spot(args, work: Path) -> int:
+    """The spot replay's three systems; OUT/spot.json, spot.md, spot.png (and docs with --update-docs)."""
+    if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
+        log(f"error: --data-dir {args.data_dir!r} has no MNIST/raw; the spot replay trains real MNIST")
+        return 1
+    started = time.time()
+    try:
+        result = spot.measure(Runner(work), spot.SpotSettings(os.path.abspath(args.data_dir), trace=args.spot_trace,
+                                                                tick_s=args.spot_tick))
+    except BenchError as e:
+        log(f"error: {e}")
+        return 1
+    result.update(provenance=provenance(), machine=describe(), wall_s=round(time.time() - started, 1))
+    spot.write(result, Path(args.out), DOCS if args.update_docs else None)
+    for t in result["targets"]:
+        log(f"target {t['id']}: {'met' if t['met'] else 'MISSED'} ({t['value']}) {t['detail']}")
+    log(f"spot replay done in {time.time() - started:.0f} s; wrote {Path(args.out) / 'spot.json'}")
     return 0
 
 

@@ -97,6 +97,8 @@ class TrainConfig:
     """Print a progress line every this many steps (rank 0)."""
     min_step_time: float = 0.0
     """Pace training to at least this many seconds per step (demos and fault-injection tests)."""
+    startup_cost: float = 0.0
+    """Extra seconds at every worker start before the first step: a real job's CUDA context, NCCL init, model load."""
 
     def validate(self) -> None:
         self._check_finite()
@@ -133,8 +135,8 @@ class TrainConfig:
             raise UserError("--snapshot-max-age-h and --snapshot-cap-mb must be >= 0")
         if self.snapshot_every < 0:
             raise UserError(f"--snapshot-every must be >= 0 (0 = off), got {self.snapshot_every}")
-        if self.log_every < 1 or self.min_step_time < 0:
-            raise UserError("--log-every must be >= 1 and --min-step-time >= 0")
+        if self.log_every < 1 or self.min_step_time < 0 or self.startup_cost < 0:
+            raise UserError("--log-every must be >= 1, --min-step-time and --startup-cost >= 0")
 
     def _check_finite(self) -> None:
         """Every float flag at once: the range checks below (`<= 0`) let nan and inf through."""
@@ -232,6 +234,15 @@ def flags_markdown(cls: type = TrainConfig) -> str:
               "a checkpoint from another fingerprint is refused at resume. "
               "Every other flag may change between restarts."]
     return "\n".join(lines) + "\n"
+
+
+def given_fields(train_argv: list[str]) -> set[str]:
+    """The TrainConfig fields the user set on the command line, however spelled (--x=v, --x v, --no-x):
+    argparse itself answers, with every default replaced by a marker no flag can produce."""
+    unset = object()  # not argparse.SUPPRESS: argparse would run a string default through the flag's type
+    parser = build_parser()
+    parser.set_defaults(**{f.name: unset for f in dataclasses.fields(TrainConfig)})
+    return {name for name, value in vars(parser.parse_args(train_argv)).items() if value is not unset}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ MONITOR_INTERVAL = 0.1
 RDZV_CONF = {
     "etcd": {"timeout": 600, "last_call_timeout": 1},
     "etcd-v3": {"join_timeout": 600, "last_call_timeout": 1, "keep_alive_interval": 1, "keep_alive_max_attempt": 3},
+    # torch's own backend, left at torch's defaults: the baseline a spot replay compares with. Its store
+    # is a TCP server inside the first agent that binds the endpoint.
+    "c10d": {},
 }
 
 
@@ -35,7 +38,7 @@ def torchrun_args(backend: str, endpoint: str, run_id: str, min_nodes: int = 1, 
         f"--rdzv-backend={backend}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf={rdzv_conf(backend)}",
+        *([f"--rdzv-conf={rdzv_conf(backend)}"] if RDZV_CONF[backend] else []),
         f"--max-restarts={MAX_RESTARTS}",
         f"--monitor-interval={MONITOR_INTERVAL}",
     ]

@@ -22,9 +22,9 @@ import time
 
 from elastic_mnist import config as train_config
 from elastic_mnist import exit_codes, torchrun_settings
-from elastic_mnist.config import TrainConfig
+from elastic_mnist.config import TrainConfig, given_fields
 from elastic_mnist.errors import UserError
-from elastic_mnist.local import chaos, hosts, netns
+from elastic_mnist.local import chaos, hosts, netns, trace
 from elastic_mnist.local.live import LiveView
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import NODE_ENV, alive, child_env, torchrun_command
@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-nodes", type=int, default=1, help="torchrun --nnodes minimum (default 1)")
     p.add_argument("--max-nodes", type=int, default=4, help="torchrun --nnodes maximum (default 4)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3"], default="etcd-v3",
-                   help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd)")
+    p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3", "c10d"], default="etcd-v3",
+                   help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd or c10d)")
     p.add_argument("--chaos", default="",
                    help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see docs/local.md)")
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
@@ -56,22 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "kubelet restarts a container (default on; --no-restart leaves it down)")
     p.add_argument("--hosts", action="store_true", help="each node and etcd on a host of its own (a network "
                    "namespace: own address and host name), for the chaos kinds vanish, down, cut, heal (root)")
+    trace.add_flags(p)
     return p
-
-
-def given_fields(train_argv: list[str]) -> set[str]:
-    """The TrainConfig fields the user set on the command line, however spelled (--x=v, --x v, --no-x):
-    argparse itself answers, with every default replaced by a marker no flag can produce."""
-    unset = object()  # not argparse.SUPPRESS: argparse would run a string default through the flag's type
-    parser = train_config.build_parser()
-    parser.set_defaults(**{f.name: unset for f in dataclasses.fields(TrainConfig)})
-    return {name for name, value in vars(parser.parse_args(train_argv)).items() if value is not unset}
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], list[chaos.Fault]]:
     """(launcher flags, the train config every node shares, the fields the user set, the fault schedule)."""
     args, train_argv = build_parser().parse_known_args(argv)
-    if not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
+    if args.trace:
+        trace.check(args)  # the trace decides how many nodes run
+    elif not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
@@ -89,6 +83,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], l
                                             for name, sub in fills.items() if name not in given})
     config.check_world_size(args.max_nodes * args.nproc_per_node)
     if args.hosts:
+        if args.rdzv_backend == "c10d":  # its store would be on the launcher's loopback, which no host reaches
+            raise UserError("--hosts does not work with --rdzv-backend c10d; use etcd-v3 or etcd")
         netns.check_permitted()
     return args, config, given, chaos.parse_schedule(args.chaos, hosts=args.hosts)
 
@@ -103,6 +99,8 @@ class Launcher:
         self.view = LiveView()
         self.etcd = None
         self.hosts: hosts.LauncherHosts | None = None  # --hosts: set for the run by hosts.for_launcher
+        self.rdzv_endpoint = ""
+        self.replay = trace.Replay(self) if args.trace else None
         self.t0 = time.time()
         self.nodes_started_at = self.t0
         # Each simulated node's "RAM" for snapshots; removed at the end like a machine's memory.
@@ -111,7 +109,7 @@ class Launcher:
 
     def start_node(self) -> Node:
         name = f"n{len(self.nodes)}"
-        targs = torchrun_settings.torchrun_args(self.args.rdzv_backend, self.etcd.endpoint, self.run_id,
+        targs = torchrun_settings.torchrun_args(self.args.rdzv_backend, self.rdzv_endpoint, self.run_id,
                                                 self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
         # torchrun's rendezvous decisions (INFO) go to the node logs unless the user chose a level.
         env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"), **{NODE_ENV: name})
@@ -179,12 +177,13 @@ class Launcher:
                 node.tree()  # remember worker pids for the orphan check
                 self.supervise(node, time.time())
             # From what supervise() saw, not a fresh poll: a node that exits right now is noted next round.
-            if all(n.exited_at is not None and n.restart_at is None for n in self.nodes.values()):
+            if self.replay.over() if self.replay else all(
+                    n.exited_at is not None and n.restart_at is None for n in self.nodes.values()):
                 break
             if self.args.timeout and time.time() - self.t0 > self.args.timeout:
                 self.view.event(f"timeout after {self.args.timeout:.0f}s: stopping")
                 break
-            self._fire_next()
+            self.replay.tick(time.time()) if self.replay else self._fire_next()
             time.sleep(POLL_S)
 
     def supervise(self, node: Node, now: float) -> None:
@@ -227,7 +226,7 @@ class Launcher:
             return self._run()
 
     def _run(self) -> int:
-        from elastic_mnist.etcd.server import EtcdServer
+        from elastic_mnist.etcd.server import EtcdServer, free_port
 
         os.makedirs(self.args.run_dir, exist_ok=True)
         self.view.event(f"run dir {self.args.run_dir}")
@@ -241,6 +240,8 @@ class Launcher:
             json.dump({"endpoint": self.etcd.endpoint, "pid": self.etcd.pid, "v2_api": self.etcd.enable_v2,
                        "rdzv_id": self.run_id, "rdzv_backend": self.args.rdzv_backend}, f)
         self.view.event(f"etcd {self.etcd.endpoint} (pid {self.etcd.pid}); rendezvous id {self.run_id}")
+        # c10d keeps its store in the first agent that binds this port, not in etcd.
+        self.rdzv_endpoint = f"127.0.0.1:{free_port()}" if self.args.rdzv_backend == "c10d" else self.etcd.endpoint
         try:
             self.nodes_started_at = time.time()
             for _ in range(self.args.nodes):
@@ -271,11 +272,12 @@ class Launcher:
                             for n in self.nodes.values()},
                   "run_id": self.run_id, "wall_s": round(time.time() - self.t0, 2), "chaos": self.args.chaos,
                   "cold_start_s": self._cold_start_s(), "evals": [e for e in self.tail.journal if e["event"] == "eval"],
-                  "launched_at": self.t0}
+                  "launched_at": self.t0, **(self.replay.report() if self.replay else {})}
         with open(os.path.join(self.args.run_dir, "report.json"), "w") as f:
             json.dump(report, f, indent=2)
         print("\n" + chaos.events_table(self.events), flush=True)
         done = summary is not None and summary["global_step"] == summary["total_steps"]
+        done = done or (self.replay is not None and self.replay.window_done)  # trained through the window
         if summary:
             print(f"\nfinal: step {summary['global_step']}/{summary['total_steps']}, test accuracy "
                   f"{summary['test_accuracy']:.4f}, world {summary['world_size']}; orphans {orphans or 'none'}")

@@ -108,7 +108,18 @@ def _train(trainer: Trainer, config, env) -> int:
     return exit_codes.OK
 
 
+def pay_startup_cost(seconds: float, stop: StopRequest) -> None:
+    """--startup-cost: what a GPU job spends at every start (CUDA context, NCCL init, model load) that
+    this CPU MLP does not, so a replay's recoveries cost what a real job's would. A preemption notice
+    cuts it short: the job then stops at its first step boundary."""
+    deadline = time.monotonic() + seconds
+    while not stop.requested and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.1))
+
+
 def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
+    pay_startup_cost(config.startup_cost, stop)
+    marks["startup_cost"] = time.time()
     with ExitStack() as stack:
         device = distributed.init(env, config.backend, config.collective_timeout)
         stack.callback(distributed.close)
