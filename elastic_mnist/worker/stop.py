@@ -38,7 +38,7 @@ class StopRequest:
         self.signum: int | None = None
         self.orphan_grace_s = orphan_grace_s
         self.received = 0
-        """How many stop signals arrived (a repeat changes nothing, but is worth a line in the journal)."""
+        """How many stop signals arrived (a repeat changes nothing else)."""
         self._timer: threading.Timer | None = None
 
     def install(self) -> None:
