@@ -240,6 +240,7 @@ class EtcdV3Client:
             requests(), seconds, credentials=client.call_credentials, metadata=client.metadata)
         try:
             for response in stream:
+                self._answered = time.monotonic()  # a watch that etcd answers is etcd reachable, too
                 if response.events or response.canceled:  # canceled: e.g. revision compacted; no hot loop
                     return bool(response.events) or finished.wait(min(0.2, max(0.0, deadline - time.monotonic())))
             return False

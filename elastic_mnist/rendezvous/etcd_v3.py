@@ -13,8 +13,10 @@ crashed job cannot block a new one; a reused run id recovers once the dead nodes
 at once with one line: 0 if the job finished, 78 if a node gave up (_closed.py).
 
 Bounds: every etcd call has a deadline of read_timeout (10 s by default), and the handler probes etcd
-when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s. Keep the
-keep-alive window above any etcd outage the job must ride out (else the first one back drops the rest).
+when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s. Once etcd
+answered, an outage is ridden out for up to outage_timeout (_client.py), unless a peer's beacon says it
+still reaches etcd (then this host is cut off and leaves as before); heartbeats are aged on each
+observer's own clock and nobody is judged for the outage (_clock.py).
 
 Shortcuts on top of torch's protocol, from the backend side (_prompt.py): a round whose participants are
 every live node completes without the last call; nobody sleeps a blind second between looks at the state
@@ -26,6 +28,7 @@ the state (_leave.py). Only a frozen node, or one whose host vanished, costs the
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
   keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; tuned: torchrun_settings.RDZV_CONF
   read_timeout=10 (each etcd call's deadline, s)  key_prefix=/torchelastic/v3  lease_ttl=7200 (0: never; _lease.py)
+  outage_timeout=360   how long a running agent waits for an etcd that answered it before (s)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
   user=NAME  password_file=PATH  etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $..._PASSWORD_FILE); password=
