@@ -145,6 +145,9 @@ def test_a_beacon_says_whether_its_agent_reaches_etcd(etcd: EtcdServer) -> None:
     assert me.others_reach_etcd(), "the peer's client answered etcd just now"
     peer.reach_window_s = 0.0
     assert not me.others_reach_etcd(), "a peer that does not reach etcd either: etcd is away"
+    peer.reach_window_s, late = 3.0, liveness(etcd, run_id)
+    late.learn_peers(1)  # what RoundView does once a round completes, without any probing
+    assert late.others_reach_etcd(), "a node that never probed still knows whom to ask"
     quiet = Beacon("127.0.0.1")
     assert quiet.port and not me.others_reach_etcd(timeout=0.1)
     quiet.close()

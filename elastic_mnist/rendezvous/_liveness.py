@@ -134,6 +134,7 @@ class PeerLiveness:
         self._answered: dict[str, float] = {}  # node -> when its beacon last did not refuse
         self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
         self._peers: dict[str, str] = {}  # node -> beacon address, as last listed: asked during an etcd outage
+        self._learned_round = -1
         self.reach_window_s = 3.0  # "this agent reaches etcd": it answered within this long
 
     def publish(self, node: str) -> None:
@@ -146,6 +147,15 @@ class PeerLiveness:
         value = seal(self._secret, key, f"{self._beacon.address} {socket.gethostname()}".encode())
         self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
         self._own = node
+
+    def learn_peers(self, round_: int) -> None:
+        """List the beacons once per completed round (no probe): who to ask during an etcd outage."""
+        if round_ != self._learned_round:
+            published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
+            self._peers = {name: address for value, meta in published
+                           if (name := meta.key.decode()[len(self._dir):]) != self._own
+                           and (address := self._probeable(meta.key.decode(), value))}
+            self._learned_round = round_
 
     def _republish_if_missing(self, names: set[str]) -> None:
         # Another agent took our key (a refusal it got wrong, a node back under its old name): without it

@@ -70,6 +70,8 @@ class RoundView:
         # Probing only while a round forms: a steady job costs no connections. Every node with a
         # heartbeat is probed: participants, waiting nodes, and nodes between their exit and re-join.
         forming = not state.complete or bool(state.wait_list)
+        if self.liveness is not None and state.complete and not state.closed:
+            self.liveness.learn_peers(state.round)  # once per round: whom to ask if etcd goes away
         if self.liveness is None or state.closed or not forming or not state.last_heartbeats:
             return False
         names = {str(node): node for node in state.last_heartbeats}
