@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, worker_env
@@ -85,7 +86,15 @@ def test_a_downed_link_is_silence_not_a_reset_and_comes_back(hosts):
 def test_vanish_kills_every_process_on_the_host_and_restart_brings_it_back_empty(hosts):
     a, b = hosts.add("n0"), hosts.add("n1")
     proc = hosts.popen(b, ["sleep", "600"])
-    assert hosts.pids(b) == [proc.pid], "the pid is the program's own: no wrapper process in between"
+    deadline = time.monotonic() + 10
+
+    def argv() -> list[str]:
+        with open(f"/proc/{proc.pid}/cmdline") as f:
+            return f.read().split("\0")[:2]
+
+    while argv() != ["sleep", "600"] and time.monotonic() < deadline:  # until `hostname` ran and sleep is exec'd
+        time.sleep(0.01)
+    assert argv() == ["sleep", "600"] and hosts.pids(b) == [proc.pid], "the program's own pid: no wrapper left"
     hosts.vanish(b)
     assert proc.wait(timeout=10) == -signal.SIGKILL and hosts.pids(b) == []
     assert dial(hosts, a, b.address, PORT) == "timeout"

@@ -27,6 +27,7 @@ import secrets
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 
 from elastic_mnist.files import atomic_write
@@ -52,6 +53,11 @@ __all__ = ["PREFIX", "STATE_DIR", "Host", "Hosts", "HostsError", "NotPermitted",
 NETWORK, PREFIX_LEN = "198.18", 15
 TABLE = "elastic_mnist_cut"  # the nftables table of cuts inside a host's namespace
 _CLONE_NEWNET = 0x40000000
+LINK_UP_DEADLINE_S = 10.0
+
+
+def _is_up(netns: str, device: str) -> bool:
+    return " state UP " in _ip("ip", "-n", netns, "-o", "link", "show", device).stdout
 
 
 @dataclass
@@ -176,8 +182,15 @@ class Hosts:
 
     # -- faults ---------------------------------------------------------------------------------
     def link(self, host: Host | str, up: bool) -> None:
-        """Take the host's link on the bridge down (every packet to or from it is lost, silently) or up."""
-        _ip("ip", "-n", self.bridge, "link", "set", self.get(host).port, "up" if up else "down")
+        """Take the host's link on the bridge down (every packet to or from it is lost, silently) or up.
+        Up returns once both ends report it: the kernel notices a carrier change a moment later (linkwatch)."""
+        h = self.get(host)
+        _ip("ip", "-n", self.bridge, "link", "set", h.port, "up" if up else "down")
+        deadline = time.monotonic() + LINK_UP_DEADLINE_S
+        while up and not (_is_up(self.bridge, h.port) and _is_up(h.netns, "eth0")):
+            if time.monotonic() > deadline:
+                raise HostsError(f"the link of host {h.name} is not up {LINK_UP_DEADLINE_S:.0f}s after `ip link set`")
+            time.sleep(0.01)  # poll: there is no event to wait on from here
 
     def vanish(self, host: Host | str) -> None:
         """A VM reclaimed without notice: the link goes down first, so the dying processes' resets and

@@ -57,15 +57,18 @@ def test_the_rank0_host_of_three_vanishes(small_mnist, tmp_path):
 
 
 def test_a_host_cut_from_etcd_leaves_and_its_peer_goes_on(small_mnist, tmp_path):
-    """n1 still reaches n0 but not etcd: its agent exits (it cannot keep its rendezvous), n0 trains on alone."""
-    report = on_hosts(small_mnist, tmp_path, "cut:n1-etcd@step=25", "--no-restart")
+    """n1 still reaches n0 but not etcd: its agent exits (it cannot keep its rendezvous), n0 trains on alone.
+    Training outlasts the agent's etcd timeouts (~10 s): a job that ends first ends at world 2."""
+    report = on_hosts(small_mnist, tmp_path, "cut:n1-etcd@step=20", "--no-restart", steps=250, pace=0.1,
+                      timeout=300)
     (event,) = report["events"]
     assert (event["kind"], event["node"], event["world_size_after"]) == ("cut", "n1-etcd", 1)
     assert event["steps_redone"] <= 1 and event["recovery_s"] < 30
     n1 = report["nodes"]["n1"]
-    assert n1["exit_code"] != 0 and n1["exited_at"] - event["time"] < 60, "the cut agent exits"
+    # it gives up on etcd after its client's retries (51 s here on a loaded 2-core machine)
+    assert n1["exit_code"] != 0 and n1["exited_at"] - event["time"] < 120, "the cut agent exits"
     assert report["nodes"]["n0"]["exit_code"] == 0 and report["summary"]["world_size"] == 1
-    assert_replays_plan(tmp_path, 90)
+    assert_replays_plan(tmp_path, 250)
 
 
 def test_a_4s_link_blip_ends_back_at_world_2(small_mnist, tmp_path):
