@@ -65,6 +65,16 @@ def clock() -> tuple[HeartbeatClock, FakeTime]:
     return HeartbeatClock(WINDOW, timedelta(seconds=1), lambda: now.mono, lambda: now.wall), now
 
 
+def test_a_heartbeat_long_dead_when_first_seen_keeps_its_age(clock) -> None:
+    """A reused run id's dead node (its last beat minutes old by our clock) is not revived by a fresh window;
+    a beat within a minute of our clock is a skewed clock, and starts one."""
+    heartbeats, now = clock
+    dead, skewed = now.wall - timedelta(seconds=100), now.wall - timedelta(seconds=50)
+    assert ages(heartbeats, now, {"dead": dead, "skewed": skewed}) == {"dead": 100.0, "skewed": 0.0}
+    now.tick(1)
+    assert ages(heartbeats, now, {"dead": dead, "skewed": skewed}) == {"dead": 101.0, "skewed": 1.0}
+
+
 @pytest.mark.parametrize("skew_s", [-30, 30, -5])
 def test_a_heartbeat_is_aged_from_when_it_changed_not_from_its_writers_clock(clock, skew_s: int) -> None:
     heartbeats, now = clock

@@ -13,6 +13,9 @@ own wall time minus how long ago (on its monotonic clock) it saw that value chan
 `restore` undoes it in a state torch writes back: a value torch did not touch goes back to what its node
 wrote, so no other observer ever mistakes our rewrite for a fresh heartbeat.
 
+A heartbeat first seen more than MAX_SKEW (60 s) past the window by our own wall clock keeps that age:
+clocks within a minute of each other are tolerated, a dead node of a reused run id is not revived.
+
 After a gap in our own reads longer than the keep-alive window (etcd was away, or this process was frozen),
 every node gets a fresh window from the first read after it: nobody could have written meanwhile, so
 nobody is judged for it.
@@ -26,6 +29,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat, or a last-call deadline, long passed
+MAX_SKEW = timedelta(seconds=60)
+"""A heartbeat older than this (plus the window) by our wall clock when first seen is a dead node's, not a
+skewed clock's: it keeps its wall-clock age, so a reused run id drops its dead nodes at once."""
 
 
 def _utc_now() -> datetime:
@@ -60,7 +66,9 @@ class HeartbeatClock:
             if value == LONG_AGO:  # judged dead by a probe: shown as is
                 continue
             if name not in self._seen or self._seen[name][0] != value:
-                self._seen[name] = (value, now)
+                age = (wall - value).total_seconds()
+                stale = name not in self._seen and age > (MAX_SKEW + self.window).total_seconds()
+                self._seen[name] = (value, now - age if stale else now)
             shown = wall - timedelta(seconds=now - self._seen[name][1])
             self._shown[name] = (shown, value)
             state.last_heartbeats[node] = shown

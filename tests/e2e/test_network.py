@@ -30,6 +30,21 @@ def skewed(offset_s: int) -> dict[str, str]:
     return {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{offset_s:+d}s", "FAKETIME_NO_CACHE": "1"}
 
 
+@pytest.fixture
+def faketime_files():
+    """libfaketime makes /dev/shm/faketime_shm_PID and sem.faketime_sem_PID in every process it is preloaded
+    into and removes them only at a normal exit; workers end with os._exit, agents may be killed. The test
+    that preloads it owns what its processes left: every such file whose process is gone is removed."""
+    def current() -> set[Path]:
+        return set(Path("/dev/shm").glob("faketime_shm_*")) | set(Path("/dev/shm").glob("sem.faketime_sem_*"))
+
+    before = current()
+    yield
+    for path in current() - before:
+        if not procs.alive(int(path.name.rsplit("_", 1)[1])):
+            path.unlink(missing_ok=True)
+
+
 def worker_lives(job: Job) -> set[tuple[int, int]]:
     """(restart count, world size) of every worker process that trained a step: {(0, 2)} is one round."""
     lives = {(r["pid"], r["restart"], r["world_size"]) for r in read_records(str(job.tmp / "samples"))}
@@ -38,7 +53,8 @@ def worker_lives(job: Job) -> set[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("offset_s", [-30, 30])
-def test_a_node_whose_clock_is_30_s_off_joins_and_trains(tmp_path, small_mnist, etcd_server_v3only, offset_s):
+def test_a_node_whose_clock_is_30_s_off_joins_and_trains(tmp_path, small_mnist, etcd_server_v3only, offset_s,
+                                                         faketime_files):
     """Round 0 needs both nodes, so the job trains at all only if the skewed node is admitted and stays."""
     job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", 40, "--global-batch-size=64")
     job.node_env[1] = skewed(offset_s)
