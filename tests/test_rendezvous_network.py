@@ -213,5 +213,11 @@ def test_an_outage_longer_than_read_timeout_is_ridden_out_unless_others_reach_et
         with pytest.raises(EtcdV3Error, match="did not answer within read_timeout=1s"):
             client.call("get", lambda c: c.get("/k"))
         assert time.monotonic() - started < 4.0, "cut off alone: it leaves after read_timeout, as before"
+        client.others_reach_etcd = lambda: False  # the peers finished and left before the next call asked
+        started = time.monotonic()
+        with pytest.raises(EtcdV3Error, match="did not answer within read_timeout=1s"):
+            client.call("keep-alive", lambda c: c.get("/k"))  # torch's shutdown joins this thread's call
+        assert time.monotonic() - started < 4.0, "the same outage: this host is still the one cut off"
         resume.join()
+        assert client.call("get", lambda c: c.get("/k")[0]) == b"v", "etcd back: a new outage is judged anew"
         client.close()

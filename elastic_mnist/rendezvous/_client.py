@@ -138,7 +138,7 @@ class EtcdV3Client:
         self.ride_out_outages = True  # False: fail at once (a process on its way out must not wait)
         # Past read_timeout, asked whether others still reach etcd: then it is this host that is cut off.
         self.others_reach_etcd: Callable[[], bool] | None = None
-        self._outage_reported = False
+        self._outage_reported = self._cut_off = False
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
         s = self.spec
@@ -185,7 +185,7 @@ class EtcdV3Client:
             try:
                 client = self.raw()
                 result = fn(client)
-                self._answered, self._outage_reported = time.monotonic(), False
+                self._answered, self._outage_reported, self._cut_off = time.monotonic(), False, False
                 return result
             except (grpc.RpcError, etcd3.exceptions.Etcd3Exception, self._error_type) as exc:
                 code, details = rpc_status(exc)
@@ -210,7 +210,10 @@ class EtcdV3Client:
         s = self.spec
         if elapsed < s.read_timeout:
             return True  # a restart, a blip: as before
-        if elapsed >= s.outage_timeout or (self.others_reach_etcd is not None and self.others_reach_etcd()):
+        # Once the peers said they still reach etcd, every call of this outage gives up (the keep-alive
+        # thread too, which torch's shutdown joins): they may be gone by the time another call asks.
+        self._cut_off = self._cut_off or (self.others_reach_etcd is not None and self.others_reach_etcd())
+        if elapsed >= s.outage_timeout or self._cut_off:
             return False  # too long, or only we are cut off from etcd: leave as before
         if not self._outage_reported:
             self._outage_reported = True
