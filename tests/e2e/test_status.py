@@ -24,7 +24,7 @@ def _status(run_dir, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("backend", ["etcd-v3", "etcd"])
 def test_status_of_a_live_job(small_mnist, tmp_path, backend):
     cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--rdzv-backend", backend,
-           "--run-dir", str(tmp_path), "--data-dir", small_mnist, "--max-steps", "100000",
+           "--run-dir", str(tmp_path), "--data-dir", small_mnist, "--max-steps", "100000", "--epochs", "1000",
            "--min-step-time", "0.05", "--checkpoint-every", "5"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=worker_env(), cwd=REPO)
@@ -41,7 +41,8 @@ def test_status_of_a_live_job(small_mnist, tmp_path, backend):
         assert sorted(p["rank"] for p in status["participants"]) == [0, 1]
         assert status["checkpoint"]["step"] >= 5 and status["checkpoint"]["world_size"] == 2
         text = _status(tmp_path)
-        assert text.returncode == 0 and "2 participant(s)" in text.stdout and "latest checkpoint: step" in text.stdout
+        assert text.returncode == 0, text.stderr
+        assert "2 participant(s)" in text.stdout and "latest checkpoint: step" in text.stdout
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.communicate(timeout=90)  # drains the pipe while the launcher stops everything
