@@ -100,6 +100,7 @@ def require_in_code(func: Callable, names: Iterable[str], label: str, what: str 
 # importing torch's rendezvous package scans entry points, ~40 ms that workers, which never rendezvous, skip.
 _RDZV_EXPORTS = {
     "Action": "_Action", "RendezvousContext": "_RendezvousContext", "RendezvousExitOp": "_RendezvousExitOp",
+    "RendezvousJoinOp": "_RendezvousJoinOp",
     "BackendRendezvousStateHolder": "_BackendRendezvousStateHolder",
     "DistributedRendezvousOpExecutor": "_DistributedRendezvousOpExecutor",
     "DynamicRendezvousHandler": "DynamicRendezvousHandler",
@@ -224,10 +225,19 @@ def _check_c10d() -> None:
     CHECKED.append("ProcessGroupGloo(store, rank, size, timeout)")
     if _abort is not None:
         require_params(_abort, ("group",), "_abort_process_group", _C10D)
+    if not hasattr(dist, "set_timeout"):  # torch 2.13
+        require_params(require(_c10d, "_set_pg_timeout", _C10D), ("timeout",), "_set_pg_timeout", _C10D)
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+
+
+def set_group_timeout(timeout_s: float) -> None:
+    """The default group's timeout for every later collective (it was created with a shorter one, the bound
+    on forming it). Public in torch 2.14 (dist.set_timeout); 2.13 has only the private _set_pg_timeout."""
+    setter = getattr(dist, "set_timeout", None) or _c10d._set_pg_timeout
+    setter(datetime.timedelta(seconds=timeout_s))
 
 
 def abort_process_group() -> bool:

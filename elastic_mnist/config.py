@@ -65,6 +65,8 @@ class TrainConfig:
     """Process group backend: auto (nccl when every local rank has a GPU, else gloo), gloo or nccl."""
     collective_timeout: float = 60.0
     """Seconds a collective may wait for a dead or frozen peer before the step fails."""
+    connect_timeout: float = 15.0
+    """Seconds the workers of a round may take to connect to each other; a peer they cannot reach costs this."""
     peer_timeout: float = 5.0
     """Seconds without a heartbeat after which a frozen peer counts as lost (a killed one is seen at once)."""
     heartbeat_interval: float = 0.5
@@ -125,6 +127,8 @@ class TrainConfig:
             raise UserError(f"--failure-state must be auto, copy or live, got {self.failure_state!r}")
         if self.input not in ("memory", "dataloader") or self.num_workers < 0:
             raise UserError(f"--input must be memory or dataloader (got {self.input!r}); --num-workers >= 0")
+        if self.connect_timeout <= 0:
+            raise UserError(f"--connect-timeout must be positive, got {self.connect_timeout}")
         if self.collective_timeout <= 0:
             raise UserError(f"--collective-timeout must be positive, got {self.collective_timeout}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:

@@ -86,8 +86,14 @@ def set_nccl_error_handling(environ, report: bool = True) -> None:
               "the last agreed step, rather than end it", file=sys.stderr, flush=True)
 
 
-def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device:
-    """Join the process group (a lone process gets a one-member group) and pick this rank's device."""
+class GroupFormationError(RuntimeError):
+    """The workers of this round did not all connect within the formation bound."""
+
+
+def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: float | None = None) -> torch.device:
+    """Join the process group (a lone process gets a one-member group) and pick this rank's device.
+    Forming the group may take `connect_s` (default: `timeout_s`), every collective after it `timeout_s`:
+    a peer this host cannot reach (a partial partition) costs the round the short bound, not a collective's."""
     backend = pick_backend(requested_backend, env.local_world_size)
     if backend == "nccl":
         set_nccl_error_handling(os.environ, env.local_rank == 0)
@@ -95,12 +101,19 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float) -> torch.device
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=connect_s or timeout_s)
     if env.launched:
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        try:
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+        except RuntimeError as e:  # the store's wait for the others, or gloo's connect to each of them
+            raise GroupFormationError(f"the {env.world_size} workers of this round did not connect to each other "
+                                      f"within {timeout.total_seconds():.0f}s (--connect-timeout): "
+                                      f"{str(e).splitlines()[0][:200]}") from e
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if connect_s and connect_s != timeout_s:
+        compat.set_group_timeout(timeout_s)
     return device
 
 

@@ -27,9 +27,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key, split_endpoint
 from elastic_mnist.rendezvous._lease import LeaseKeeper
+from elastic_mnist.rendezvous._partition import CONFIRM_S, decode, encode
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
 
 PROBE_TIMEOUT_S = 0.3
@@ -91,9 +93,16 @@ def _split(address: str) -> tuple[str, int]:
     return host, port
 
 
-def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
-    """The names whose `host:port` refused a TCP connection; all are probed at once, within `timeout`."""
-    sel, socks, gone = selectors.DefaultSelector(), [], set()
+class Probe(NamedTuple):
+    refused: set[str]
+    """A TCP reset came back: nothing listens there any more."""
+    answered: set[str]
+    """The handshake completed: the host is up and reachable from here (the rest were silent)."""
+
+
+def probe(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> Probe:
+    """Connect to every `host:port` at once, within `timeout`: who refused, who answered."""
+    sel, socks, result = selectors.DefaultSelector(), [], Probe(set(), set())
     for name, address in addresses.items():
         try:
             host, port = _split(address)
@@ -107,19 +116,30 @@ def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[
         except OSError:
             continue
         if code == errno.ECONNREFUSED:
-            gone.add(name)
-        elif code in (0, errno.EINPROGRESS):
+            result.refused.add(name)
+        elif code == 0:
+            result.answered.add(name)
+        elif code == errno.EINPROGRESS:
             sel.register(s, selectors.EVENT_WRITE, name)
     deadline = time.monotonic() + timeout
-    while sel.get_map() and (left := deadline - time.monotonic()) > 0:
-        for key, _ in sel.select(left):
-            if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNREFUSED:
-                gone.add(key.data)
+    while sel.get_map():
+        # One last look at the deadline: a prober descheduled past it still counts what completed meanwhile.
+        ready = sel.select(max(0.0, deadline - time.monotonic()))
+        for key, _ in ready:
+            error = key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            (result.refused if error == errno.ECONNREFUSED else result.answered if error == 0 else set()).add(key.data)
             sel.unregister(key.fileobj)
+        if time.monotonic() >= deadline:
+            break
     sel.close()
     for s in socks:
         s.close()
-    return gone
+    return result
+
+
+def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
+    """The names whose `host:port` refused a TCP connection; all are probed at once, within `timeout`."""
+    return probe(addresses, timeout).refused
 
 
 class PeerLiveness:
@@ -131,11 +151,17 @@ class PeerLiveness:
         self._dir = run_key(key_prefix, run_id, "probe") + "/"
         self._beacon: Beacon | None = None
         self._own: str | None = None
-        self._answered: dict[str, float] = {}  # node -> when its beacon last did not refuse
+        self._probed: dict[str, float] = {}  # node -> when its beacon last did not refuse (answered or silent)
         self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
         self._peers: dict[str, str] = {}  # node -> beacon address, as last listed: asked during an etcd outage
         self._learned_round = -1
         self.reach_window_s = 3.0  # "this agent reaches etcd": it answered within this long
+        self.unreachable: frozenset[str] = frozenset()  # peers whose beacon is silent from here (_partition.py)
+        self.reports: dict[str, frozenset[str]] = {}  # node -> the peers it reports unreachable, as last read
+
+    @property
+    def own(self) -> str | None:
+        return self._own
 
     def publish(self, node: str) -> None:
         """Start the beacon and write its address and host name; safe to repeat (one beacon per process)."""
@@ -144,7 +170,8 @@ class PeerLiveness:
             status = lambda: b"1" if self._client.answered_within(self.reach_window_s) else b"0"  # noqa: E731
             self._beacon = Beacon(advertised_host(spec.host, spec.port), status)
         key = self._dir + node
-        value = seal(self._secret, key, f"{self._beacon.address} {socket.gethostname()}".encode())
+        text = f"{self._beacon.address} {socket.gethostname()}{encode(self.unreachable)}"
+        value = seal(self._secret, key, text.encode())
         self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
         self._own = node
 
@@ -154,7 +181,7 @@ class PeerLiveness:
             published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
             self._peers = {name: address for value, meta in published
                            if (name := meta.key.decode()[len(self._dir):]) != self._own
-                           and (address := self._probeable(meta.key.decode(), value))}
+                           and (address := self._parse(meta.key.decode(), value)[0])}
             self._learned_round = round_
 
     def _republish_if_missing(self, names: set[str]) -> None:
@@ -168,45 +195,73 @@ class PeerLiveness:
 
     def gone(self, nodes: Iterable[str]) -> set[str]:
         """Of `nodes`, those whose published beacon refuses connections (none without a published one;
-        never this agent itself)."""
+        never this agent itself). Also notes who is silent from here, and reads every peer's report."""
         now = time.monotonic()
-        wanted = {n for n in nodes if now - self._answered.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
+        wanted = {n for n in nodes if now - self._probed.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
         if not wanted:
             return set()
         published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
-        addresses, peers = {}, {}
+        addresses, peers, reports = {}, {}, {}
         for value, meta in published:
             key = meta.key.decode()
             name = key[len(self._dir):]
-            address = self._probeable(key, value) if name != self._own else None
+            address, report = self._parse(key, value) if name != self._own else (None, frozenset())
             if address:
-                peers[name] = address
+                peers[name], reports[name] = address, report
             if name in wanted and address:
                 addresses[name] = address
                 self._revisions[name] = meta.mod_revision
-        self._peers = peers
+        self._peers, self.reports = peers, reports
         self._republish_if_missing({meta.key.decode()[len(self._dir):] for _, meta in published})
-        dead = refused(addresses)
-        for name in dead:
-            self._answered.pop(name, None)
-        self._answered.update(dict.fromkeys(addresses.keys() - dead, now))
-        return dead
+        result = probe(addresses)
+        newly_silent = addresses.keys() - result.refused - result.answered - self.unreachable
+        if newly_silent:  # a second, longer look: one slow handshake is not a partition
+            again = probe({n: addresses[n] for n in newly_silent}, CONFIRM_S)
+            result.refused.update(again.refused)
+            result.answered.update(again.answered)
+        silent = addresses.keys() - result.refused - result.answered
+        for name in result.refused:
+            self._probed.pop(name, None)
+        self._probed.update(dict.fromkeys(addresses.keys() - result.refused, now))
+        self._note_unreachable((self.unreachable & (peers.keys() - addresses.keys())) | silent)
+        return result.refused
 
-    def _probeable(self, key: str, value: bytes) -> str | None:
-        """The beacon address in a published value, if this agent can probe it meaningfully."""
+    def reaches(self, nodes: Iterable[str]) -> bool:
+        """Does this host reach the beacons of all `nodes` (as last listed) now? Clears them from our report
+        when they answer; a node without a known beacon counts as reached (no evidence either way)."""
+        addresses = {n: self._peers[n] for n in nodes if n in self._peers}
+        result = probe(addresses, CONFIRM_S)
+        reached = result.answered | result.refused  # a refusal comes from the peer's own kernel: its host is reachable
+        self._note_unreachable(self.unreachable - reached)
+        return reached >= addresses.keys()
+
+    def _note_unreachable(self, names: Iterable[str]) -> None:
+        names = frozenset(names)
+        if names != self.unreachable:
+            self.unreachable = names
+            if self._own is not None:
+                try:
+                    self.publish(self._own)  # the others read it with our beacon
+                except (OSError, EtcdV3Error):
+                    pass  # the next look publishes it again
+
+    def _parse(self, key: str, value: bytes) -> tuple[str | None, frozenset[str]]:
+        """The beacon address in a published value, if this agent can probe it meaningfully, and the
+        peers its agent reports unreachable."""
         try:
-            address, _, host = verified(self._secret, key, value).decode().partition(" ")
+            address, _, rest = verified(self._secret, key, value).decode().partition(" ")
         except (StateIntegrityError, UnicodeDecodeError):
-            return None  # not written by this job: no proof of anything
+            return None, frozenset()  # not written by this job: no proof of anything
+        host, _, report = rest.partition(" ")
         # A loopback beacon (etcd reached through 127.0.0.1, e.g. a local proxy) is only ours to probe on
         # the host that published it: elsewhere the same address is our own loopback, which would refuse.
         # Likewise an address that is also this host's own (two hosts behind NAT, docker's 172.17.0.2):
         # a probe would reach this host, whose refusal says nothing about the other one.
         if not host or host == socket.gethostname():
-            return address
+            return address, decode(report)
         loopback = address.startswith(("127.", "[::1]"))
         ours = self._beacon is not None and address.rpartition(":")[0] == self._beacon.address.rpartition(":")[0]
-        return None if loopback or ours else address
+        return (None if loopback or ours else address), decode(report)
 
     def others_reach_etcd(self, timeout: float = PROBE_TIMEOUT_S) -> bool:
         """Does any other agent of the job (as last listed) answer that it reaches etcd? Asked while this

@@ -22,6 +22,8 @@ The protocol (who may write what, the fencing token) is torch's, unchanged.
 from __future__ import annotations
 
 import pickle
+import sys
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
@@ -33,12 +35,15 @@ from elastic_mnist._torch_compat import (
     DynamicRendezvousHandler,
     RendezvousContext,
     RendezvousExitOp,
+    RendezvousJoinOp,
 )
 from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
-from elastic_mnist.rendezvous._liveness import PeerLiveness
+from elastic_mnist.rendezvous._liveness import RECHECK_S, PeerLiveness
+from elastic_mnist.rendezvous._partition import losing_side
 
 __all__ = ["LONG_AGO", "POLL_S", "PromptOpExecutor", "RoundView", "close_when_everyone_is_in", "make_prompt"]
 POLL_S = 1.0  # torch's pause between looks at the state; now the longest wait for a change
+HOLD_S = 1.0  # a node on the losing side of a partition looks at the state again after this long
 
 
 class RoundView:
@@ -52,12 +57,19 @@ class RoundView:
         # a stale state naming it is aged again, and a newer heartbeat means it lives (a refusal we got
         # wrong, or an agent back under the same name).
         self._dead: dict[str, datetime] = {}
+        # The side of a partial partition this node is not on (_partition.py), as of the last state read.
+        self.cut_off, self.side = False, frozenset()
+        self._said = ""
+        self.hiding = False  # the last state read had nodes hidden for a partition
 
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
         changed = self._drop_dead(state)  # on the values as written: a dead node's last one is remembered
         changed = self.clock.present(state) or changed
-        changed = close_when_everyone_is_in(state, self.window) or changed
+        # A node hidden for a partition may be hidden on a report its author has not refreshed yet (it
+        # re-probes as soon as the node waits to join): such a round keeps torch's last call, not less.
+        if not self.hiding:
+            changed = close_when_everyone_is_in(state, self.window) or changed
         return pickle.dumps(state) if changed else state_bits
 
     def restore(self, state_bits: bytes) -> bytes:
@@ -72,6 +84,7 @@ class RoundView:
         forming = not state.complete or bool(state.wait_list)
         if self.liveness is not None and state.complete and not state.closed:
             self.liveness.learn_peers(state.round)  # once per round: whom to ask if etcd goes away
+        self.hiding = False
         if self.liveness is None or state.closed or not forming or not state.last_heartbeats:
             return False
         names = {str(node): node for node in state.last_heartbeats}
@@ -81,15 +94,50 @@ class RoundView:
             self._dead[name] = beats[name]
             self._forget(name)
         dead = self._dead.keys() & names.keys()
-        for name in dead:
+        partitioned = self._partitioned(names.keys() - dead)
+        self.hiding = bool(partitioned)
+        hidden = dead | partitioned
+        for name in hidden:
             state.last_heartbeats[names[name]] = LONG_AGO
-        return bool(dead)
+        return bool(hidden)
+
+    def _partitioned(self, alive: set[str]) -> set[str]:
+        """The other nodes to hide: those on the losing side of a partition, when this node is not."""
+        own = self.liveness.own
+        reports = {**self.liveness.reports, **({own: self.liveness.unreachable} if own else {})}
+        losing = losing_side(alive, reports)
+        self.cut_off = own in losing
+        self.side = frozenset(alive - losing) if losing else frozenset()
+        return set() if self.cut_off else losing
+
+    def hold(self, seconds: float) -> bool:
+        """On the losing side: wait up to `seconds` for this host to reach the winning side; True while it
+        still cannot (the caller looks at the state again, which re-reads every report)."""
+        deadline = time.monotonic() + seconds
+        while self.cut_off and self.liveness is not None:
+            if self.liveness.reaches(self.side):
+                self.cut_off = False
+                if self._said.startswith("cannot"):
+                    self._say("reaches every node of the round again: joining it")
+            elif time.monotonic() < deadline:
+                self._say(f"cannot reach {', '.join(sorted(self.side))} (silent while etcd answers: a partition); the "
+                          "job goes on there, this node waits without starting workers and rejoins once it can")
+                time.sleep(RECHECK_S)
+            else:
+                return True
+        return False
 
     def _forget(self, name: str) -> None:
         try:
             self.liveness.forget(name)
         except Exception:  # noqa: BLE001 - its lease expires it anyway; dropping the node matters more
             pass
+
+    def _say(self, line: str) -> None:
+        # once per change of mind, on the agent's stderr (what `kubectl logs` and the node logs show)
+        if line != self._said:
+            self._said = line
+            print(f"elastic-mnist etcd-v3: {self.liveness.own}: {line}", file=sys.stderr, flush=True)
 
 
 def close_when_everyone_is_in(state, window: timedelta) -> bool:
@@ -117,11 +165,19 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
                          compat.handler_settings(handler))
         self._wait_for_change = wait_for_change
         self._rejoining = False
+        self.view: RoundView | None = None  # set by make_prompt: whose hold() a join waits on
 
     def run(self, state_handler, deadline: float, update_deadline=None) -> None:
         # torch's next_rendezvous runs its plain exit op, then a join op: this node is coming straight back.
         self._rejoining = type(state_handler) is RendezvousExitOp
+        joining = type(state_handler) is RendezvousJoinOp  # not the keep-alive: its heartbeat goes on
+
         def prompt(ctx: RendezvousContext, deadline: float) -> Action:
+            # Cut off from the winning side of a partition: no join (and no workers) until it is reachable.
+            while joining and self.view is not None and time.monotonic() < deadline and self.view.hold(HOLD_S):
+                self._state_holder.sync()
+                self._state = self._state_holder.state
+                ctx = RendezvousContext(self._node, self._state, self._settings)
             action = state_handler(ctx, deadline)
             while action == Action.SYNC:
                 self._wait_for_change(POLL_S)
@@ -146,7 +202,9 @@ def make_prompt(handler: DynamicRendezvousHandler, backend) -> None:
     before the handler's first use."""
     compat.set_state_holder(handler, BackendRendezvousStateHolder(backend, compat.handler_settings(handler),
                                                                   cache_duration=0))
-    compat.set_op_executor(handler, PromptOpExecutor(handler, backend.wait_for_change))
+    executor = PromptOpExecutor(handler, backend.wait_for_change)
+    executor.view = getattr(backend, "view", None)
+    compat.set_op_executor(handler, executor)
     # torch waits a random 0-0.3 s before a node's first join while the state it holds says round 0, to
     # spread a cold start's first writes. Read once now, a node joining a running job knows its round and
     # joins at once; on a cold start the state is still round 0 and the spread stays.

@@ -140,6 +140,10 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return state_bits if self._view is None else self._view(state_bits)
 
     @property
+    def view(self) -> RoundView | None:
+        return self._view
+
+    @property
     def liveness(self) -> PeerLiveness | None:
         """The beacon probe of this agent (None with peer_probe=0)."""
         return None if self._view is None else self._view.liveness

@@ -121,7 +121,12 @@ def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
     pay_startup_cost(config.startup_cost, stop)
     marks["startup_cost"] = time.time()
     with ExitStack() as stack:
-        device = distributed.init(env, config.backend, config.collective_timeout)
+        try:
+            device = distributed.init(env, config.backend, config.collective_timeout, config.connect_timeout)
+        except distributed.GroupFormationError as e:
+            # Nothing trained, nothing to save: torchrun's next round is formed from who can reach whom.
+            print(f"elastic-mnist train: {e}; exiting for torchrun to form a new round", file=sys.stderr, flush=True)
+            return exit_codes.RESTART
         stack.callback(distributed.close)
         marks["process_group"] = time.time()
         config.check_world_size(env.world_size)

@@ -17,6 +17,7 @@ from netns import assert_gone
 from e2e.test_chaos import assert_replays_plan, launch_local, run_local
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.procs import alive
+from elastic_mnist.runlog import read_records
 from elastic_mnist.state import snapshots
 
 pytestmark = [pytest.mark.e2e,
@@ -82,3 +83,45 @@ def test_a_4s_link_blip_ends_back_at_world_2(small_mnist, tmp_path):
     assert all((e["steps_redone"] or 0) <= 1 for e in report["events"])
     assert_replays_plan(tmp_path, 150)
 
+
+
+def worker_restarts(run_dir, node: str) -> set[int]:
+    """torchrun's restart count of every worker that trained on `node` (its sample records)."""
+    return {r["restart"] for r in read_records(str(run_dir / "samples")) if r["node"] == node}
+
+
+@pytest.mark.parametrize("cut", ["n0-n1", "n0>n1", "n1>n0"])
+def test_a_partition_between_two_hosts_goes_on_one_side_and_heals_back(small_mnist, tmp_path, cut):
+    """Both still reach etcd, not each other (both ways, or one way: TCP needs both). The tie goes to the
+    lower name (n0); n1 waits in the rendezvous without starting workers, and rejoins after the heal."""
+    run, report = launch_local(small_mnist, tmp_path, f"cut:{cut}@step=25,heal@after=25s", "--hosts", steps=300,
+                               pace=0.1, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert_left_nothing(tmp_path, report)
+    split, heal = report["events"]
+    assert (split["kind"], split["world_size_after"]) == ("cut", 1) and split["recovery_s"] < 15, split
+    assert (heal["kind"], heal["world_size_after"]) == ("heal", 2) and heal["recovery_s"] < 10, heal
+    assert all((e["steps_redone"] or 0) <= 1 for e in report["events"])
+    assert report["summary"]["world_size"] == 2 and report["nodes"]["n1"]["restarts"] == 0, "no agent exited"
+    # n1's workers: the ones before the cut (restart 0) and after the heal (restart 1, the cut's failure):
+    # none was started while it waited
+    assert worker_restarts(tmp_path, "n1") == {0, 1}
+    assert "a partition" in (tmp_path / "nodes" / "n1.log").read_text()
+    assert_replays_plan(tmp_path, 300)
+
+
+def test_the_larger_side_of_a_partition_goes_on(small_mnist, tmp_path):
+    """n0 (lowest name, rank 0) loses both peers: n1 and n2 go on at world 2, n0 rejoins after the heal."""
+    run, report = launch_local(small_mnist, tmp_path, "cut:n0-n1@step=25,cut:n0-n2@after=0s,heal@after=25s",
+                               "--hosts", nodes=3, steps=300, pace=0.1, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert_left_nothing(tmp_path, report)
+    heal = report["events"][-1]
+    during = [r for r in read_records(str(tmp_path / "samples")) if r["time"] < heal["time"] and r["world_size"] == 2]
+    assert during and {r["node"] for r in during} == {"n1", "n2"}, "the pair that reaches each other trained"
+    assert min(r["time"] for r in during) - report["events"][0]["time"] < 15
+    back = min(r["time"] for r in read_records(str(tmp_path / "samples"))
+               if r["time"] > heal["time"] and r["world_size"] == 3)
+    assert back - heal["time"] < 10, f"back at world 3 {back - heal['time']:.1f}s after the heal"
+    assert worker_restarts(tmp_path, "n0") == {0, 1}, "n0 started no worker while it was cut off"
+    assert_replays_plan(tmp_path, 300)
