@@ -115,9 +115,11 @@ def test_the_delete_carries_a_uid_precondition_and_the_list_a_selector():
                        "%2Capp.kubernetes.io%2Finstance%3Dmnist")
 
 
-# apimachinery's IsQualifiedName (ValidateQualifiedName), which both the Job's onPodConditions[].type
-# (pkg/apis/batch/validation/validation.go, validatePodFailurePolicyRuleOnPodConditions) and a pod
-# condition's type pass: an optional DNS-1123 subdomain prefix, "/", a name of at most 63 characters.
+# apimachinery's IsQualifiedName, which the Job API applies to onPodConditions[].type
+# (pkg/apis/batch/validation/validation.go, validatePodFailurePolicyRuleOnPodConditions:
+# apivalidation.ValidateQualifiedName): an optional DNS-1123 subdomain prefix, "/", a name of at most 63
+# characters. Pod conditions of that form are common (readiness gates such as
+# cloud.google.com/load-balancer-neg-ready, written through pods/status by a controller).
 _NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
