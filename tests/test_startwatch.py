@@ -41,8 +41,9 @@ def test_a_configuration_error_is_acted_on_exactly_at_the_deadline(reason, where
     config = reason == "CreateContainerConfigError"
     fix = "is missing: create it" if config else "cannot be pulled on this node"
     assert fix in v.message and ("re-apply the Job" in v.message) is not config
-    if reason != "CreateContainerConfigError":
-        assert 'Back-off pulling image "elastic-mnist:0.1.0"' in v.message, "the kubelet's own words are kept"
+    assert f'{reason} (Back-off pulling image "elastic-mnist:0.1.0"): ' in v.message, "the kubelet's own words"
+    bare = verdict(stuck(reason, where), since + DEADLINE)
+    assert f"in {reason}: " in bare.message, "no empty parentheses without a kubelet message"
 
 
 def test_a_trainer_after_a_long_preflight_is_not_timed_from_the_pod_start():

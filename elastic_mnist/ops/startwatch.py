@@ -91,6 +91,12 @@ def _condition(pod: dict, kind: str) -> dict:
     return next((c for c in pod.get("status", {}).get("conditions", []) if c.get("type") == kind), {})
 
 
+def _quoted(state: dict) -> str:
+    """The kubelet's or scheduler's own message, in parentheses (cut: a condition message is for people)."""
+    message = (state.get("message") or "")[:300]
+    return f" ({message})" if message else ""
+
+
 def is_running(pod: dict) -> bool:
     return pod.get("status", {}).get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
 
@@ -106,9 +112,8 @@ def decide(pod: dict, now: float, deadline: float, pending_deadline: float, peer
         since = _waiting_since(pod)
         if waiting.get("reason") in CONFIG_REASONS and deadline > 0 and since is not None and now - since >= deadline:
             fix = FIX["image" if waiting["reason"] in IMAGE_REASONS else "config"]
-            detail = (waiting.get("message") or "")[:300]
             return Verdict(waiting["reason"], now - since, f"container {s['name']} waited {now - since:.0f}s in "
-                           f"{waiting['reason']} ({detail}): {fix}")
+                           f"{waiting['reason']}{_quoted(waiting)}: {fix}")
     scheduled = _condition(pod, "PodScheduled")
     created = parse_time(pod["metadata"].get("creationTimestamp"))
     if scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable" or created is None:
@@ -116,7 +121,7 @@ def decide(pod: dict, now: float, deadline: float, pending_deadline: float, peer
     idle = now - max(created, peers_ran_at)  # how long the job has had no running trainer, this pod pending
     if pending_deadline > 0 and idle >= pending_deadline:
         return Verdict("Unschedulable", now - created, f"pending unschedulable {now - created:.0f}s with no trainer "
-                       f"of the job running ({(scheduled.get('message') or '')[:300]}): {FIX['pending']}")
+                       f"of the job running{_quoted(scheduled)}: {FIX['pending']}")
     return None
 
 
