@@ -107,9 +107,9 @@ def decide(pod: dict, now: float, deadline: float, pending_deadline: float, peer
     status = pod.get("status", {})
     if pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Pending":
         return None  # only Pending pods can be stuck before start; terminal and running ones are the Job's
+    since = _waiting_since(pod)
     for s in _statuses(status):
         waiting = s.get("state", {}).get("waiting", {})
-        since = _waiting_since(pod)
         if waiting.get("reason") in CONFIG_REASONS and deadline > 0 and since is not None and now - since >= deadline:
             fix = FIX["image" if waiting["reason"] in IMAGE_REASONS else "config"]
             return Verdict(waiting["reason"], now - since, f"container {s['name']} waited {now - since:.0f}s in "
