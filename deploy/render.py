@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -33,6 +34,10 @@ OVERLAYS = KUSTOMIZE / "overlays"
 DEFAULT_OVERLAY = "kind"
 K8S_DIR = REPO / "k8s"
 BASE_IMAGE_NAME = "elastic-mnist"  # the image name base/kustomization.yaml's images: tags (elastic-mnist:0.1.0)
+# The start watchdog runs from a stock Python image with this file in its ConfigMap (base/startwatch.yaml):
+# the rendering copies it in, so the manifests always carry the module the tests check.
+STARTWATCH = REPO / "elastic_mnist" / "ops" / "startwatch.py"
+STARTWATCH_HASH = "elastic-mnist.io/startwatch-sha256"
 
 # Output file per app.kubernetes.io/component; the number orders `kubectl apply -f k8s`.
 FILES = {
@@ -41,6 +46,7 @@ FILES = {
     "etcd": "20-etcd.yaml",
     "trainer": "30-trainer.yaml",
     "tensorboard": "40-tensorboard.yaml",
+    "startwatch": "50-startwatch.yaml",
 }
 OTHER_FILE = "90-other.yaml"
 # kustomize's namespace transformer does not know these are cluster-scoped; the API server would drop
@@ -103,14 +109,28 @@ def render(overlay: str = DEFAULT_OVERLAY, image: str | None = None, loaded: boo
     for doc in docs:
         if doc["kind"] in CLUSTER_SCOPED:
             doc["metadata"].pop("namespace", None)
-        for c in _project_containers(doc) if loaded else []:
+        for c in _project_containers(doc, image) if loaded else []:
             c["imagePullPolicy"] = "Never"  # the image was loaded into the nodes; there is no registry
+    fill_startwatch(docs)
     return docs
 
 
-def _project_containers(doc: dict) -> list[dict]:
+def _project_containers(doc: dict, image: str | None) -> list[dict]:
+    """The containers that run the given (loaded) project image: not etcd's, not the watchdog's Python."""
     spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-    return [c for c in spec.get("initContainers", []) + spec.get("containers", []) if "etcd" not in c["image"]]
+    return [c for c in spec.get("initContainers", []) + spec.get("containers", []) if c["image"] == image]
+
+
+def fill_startwatch(docs: list[dict]) -> None:
+    """The watchdog's ConfigMap gets the module's source; its pod template the source's sha256, so that
+    `kubectl apply` after a change of the script replaces the running pod."""
+    source = STARTWATCH.read_text()
+    for doc in docs:
+        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "startwatch":
+            doc["data"] = {STARTWATCH.name: source}
+        elif doc["kind"] == "Deployment" and doc["metadata"]["name"] == "startwatch":
+            annotations = doc["spec"]["template"]["metadata"]["annotations"]
+            annotations[STARTWATCH_HASH] = hashlib.sha256(source.encode()).hexdigest()
 
 
 def file_for(doc: dict) -> str:
@@ -128,8 +148,16 @@ def split(docs: list[dict]) -> dict[str, list[dict]]:
     return dict(sorted(files.items()))
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the watchdog's script) as literal blocks, readable in k8s/ and in a diff."""
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                             style="|" if "\n" in s else None))
+
+
 def dump(docs: list[dict], overlay: str) -> str:
-    body = yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False, width=1000)
+    body = yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000)
     return HEADER.format(overlay=overlay) + body
 
 

@@ -198,6 +198,7 @@ def _render(*args: str) -> subprocess.CompletedProcess:
 def _project_containers(out: Path) -> list[dict]:
     docs = [d for docs in render.load_dir(out).values() for d in docs]
     return [c for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")
+            and d["metadata"]["name"] != "startwatch"  # a stock Python image (base/startwatch.yaml)
             for c in (d["spec"]["template"]["spec"].get("initContainers", [])
                       + d["spec"]["template"]["spec"]["containers"])
             if "etcd" not in c["image"]]

@@ -9,14 +9,16 @@ headroom, the TLS variant, and a default that runs on a stock kind cluster.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 from conftest import load_render
 from k8s_manifests import all_containers, argv, container, find, mount_for, pod_spec, selects, trainer_job, workloads
+from k8s_pods import stuck, terminated_after_delete, unschedulable
 
-from elastic_mnist.ops import preflight
+from elastic_mnist.ops import preflight, startwatch
 
 REPO = Path(__file__).resolve().parent.parent
 render = load_render()
@@ -68,6 +70,66 @@ def test_the_controller_order_would_fail_a_finished_run_without_spares(variants)
     and the other finishing is reported Failed, although training finished."""
     spec = dict(trainer_job(variants["kind"])["spec"], completions=2, maxFailedIndexes=None)
     assert job_outcome(spec, failed=1, succeeded=1) == "Failed: FailedIndexes"
+
+
+def pod_rule(rules: list[dict], pod: dict) -> tuple[int | None, str]:
+    """matchPodFailurePolicy (pkg/controller/job/pod_failure_policy.go) on a Failed pod: the first rule that
+    matches decides, (its index, its action); none matching counts against backoffLimitPerIndex."""
+    status = pod["status"]
+    assert status["phase"] == "Failed", "with a podFailurePolicy only Failed pods are matched (isPodFailed)"
+    for i, rule in enumerate(rules):
+        if "onExitCodes" in rule:
+            req = rule["onExitCodes"]
+            for s in status.get("containerStatuses", []) + status.get("initContainerStatuses", []):
+                code = s["state"].get("terminated", {}).get("exitCode", 0)
+                if code and req.get("containerName") in (None, s["name"]) and \
+                        (code in req["values"]) == (req["operator"] == "In"):
+                    return i, rule["action"]
+        elif any((c["type"], c["status"]) == (p["type"], p["status"])
+                 for c in status.get("conditions", []) for p in rule["onPodConditions"]):
+            return i, rule["action"]
+    return None, "Count"
+
+
+def _ended_by_watchdog(pod: dict, now: float) -> dict:
+    verdict = startwatch.decide(pod, now, 900, 1800, peers_ran_at=0)
+    body = startwatch.condition_patch(pod, verdict, now).body
+    return terminated_after_delete(pod, body["status"]["conditions"][0])
+
+
+STUCK = {"preflight image": stuck("ImagePullBackOff"), "unschedulable": unschedulable(),
+         "trainer Secret key": stuck("CreateContainerConfigError", "trainer")}
+
+
+@pytest.mark.parametrize("case", sorted(STUCK))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_pod_the_watchdog_ended_fails_its_index_by_the_watchdogs_rule(variant, case, variants):
+    """The pod as the kubelet (or pod GC) leaves it after the watchdog's patch and delete: its containers
+    read exit 137, which alone would be the OOM rule (trainer) or a plain retry (preflight)."""
+    rules = trainer_job(variants[variant])["spec"]["podFailurePolicy"]["rules"]
+    ended = _ended_by_watchdog(STUCK[case], now=10**10)
+    assert pod_rule(rules, ended) == (1, "FailIndex")
+    assert rules[1]["onPodConditions"][0]["type"] == startwatch.CONDITION
+    plain = pod_rule(rules, terminated_after_delete(STUCK[case], None))  # a `kubectl delete pod` instead
+    oom = next(i for i, r in enumerate(rules) if r.get("onExitCodes", {}).get("values") == [137])
+    assert plain == ((oom, "FailIndex") if case == "trainer Secret key" else (None, "Count")), plain
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_bad_image_everywhere_fails_the_job_in_bounded_time_and_one_node_costs_one_index(variant, variants):
+    """Every pod stuck: each round the watchdog fails `parallelism` indexes (FailIndex) and the spares
+    start; the 4th fails the Job with MaxFailedIndexesExceeded after ceil(4 / parallelism) deadlines.
+    One node's pull problem costs one index and a finished run still ends Complete."""
+    spec = trainer_job(variants[variant])["spec"]
+    rules = spec["podFailurePolicy"]["rules"]
+    ended = _ended_by_watchdog(STUCK["preflight image"], now=10**10)
+    failed = rounds = 0
+    while job_outcome(spec, failed, 0) is None:
+        rounds += 1
+        failed += sum(pod_rule(rules, ended)[1] == "FailIndex" for _ in range(spec["parallelism"]))
+    assert job_outcome(spec, failed, 0) == "Failed: MaxFailedIndexesExceeded"
+    assert rounds == math.ceil((spec["maxFailedIndexes"] + 1) / spec["parallelism"]) == 2
+    assert job_outcome(spec, failed=1, succeeded=spec["parallelism"]) == "Complete"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
