@@ -60,7 +60,7 @@ def test_least_privilege_in_the_namespace_only(variant, variants):
     namespace = trainer_job(docs)["metadata"]["namespace"]
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     ]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "startwatch"}
