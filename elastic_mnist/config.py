@@ -69,7 +69,7 @@ class TrainConfig:
     """Seconds the workers of a round may take to connect to each other; a peer they cannot reach costs this."""
     peer_timeout: float = 5.0
     """Seconds without a heartbeat after which a frozen peer counts as lost (a killed one is seen at once)."""
-    heartbeat_interval: float = 0.5
+    heartbeat_interval: float = 0.25
     """Seconds between peer heartbeats on the control plane."""
     # auto copies on GPUs because they run ahead of the host (see state/manager.py).
     failure_state: str = "auto"

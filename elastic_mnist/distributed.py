@@ -8,16 +8,18 @@ Everything else takes rank and world size as arguments, so multi-rank logic stay
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import UserError
+from elastic_mnist.netprobe import PEER_BEACONS_ENV
 from elastic_mnist.procs import NODE_ENV
 
 
@@ -37,6 +39,8 @@ class DistEnv:
     """True under torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
     node: str = ""
     """The node's name as its launcher gave it ($ELASTIC_MNIST_NODE), else the host name."""
+    peer_beacons: dict[str, str] = field(default_factory=dict)
+    """The round's other nodes' agent beacons (node -> host:port), from the etcd-v3 agent (netprobe.py)."""
 
 
 def read_env(environ: dict | None = None) -> DistEnv:
@@ -54,7 +58,16 @@ def read_env(environ: dict | None = None) -> DistEnv:
         run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
         launched=True,
         node=env.get(NODE_ENV) or socket.gethostname(),
+        peer_beacons=_beacons(env.get(PEER_BEACONS_ENV, "")),
     )
+
+
+def _beacons(text: str) -> dict[str, str]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}  # not what our agent writes: no probes, the heartbeat's timeout alone decides
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
 def pick_backend(requested: str, local_world_size: int) -> str:

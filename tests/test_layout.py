@@ -16,7 +16,7 @@ FLOORS = [
     {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
     {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
     {"config", "distributed", "metrics", "torchrun_settings"},
-    {"runlog", "procs", "files", "job_secret", "_torch_compat"},
+    {"runlog", "procs", "files", "netprobe", "job_secret", "_torch_compat"},
     {"errors", "exit_codes"},
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, worker_env
 from netns import assert_gone, dial
 
+from elastic_mnist import netprobe
 from elastic_mnist.local import netns
 
 PORT = 7000  # inside hosts made for this test: nothing else can hold it there
@@ -166,3 +167,14 @@ def test_etcd_on_its_own_host_is_reached_through_the_bridge_only(hosts, etcd_hos
     hosts.cut(n0, "etcd")
     assert dial(hosts, n0, address, int(port)) == "timeout"
     assert etcd_host.pid in hosts.pids("etcd"), "etcd runs on its host, under its own pid"
+
+
+def test_a_probe_tells_a_silent_host_from_a_frozen_agent(hosts):
+    """netprobe.check from n0: n1's listening port without accept (a frozen agent) and a closed port (its
+    host refuses) while the path is up; both silent once n0 and n1 are cut."""
+    a, b = hosts.add("n0"), hosts.add("n1")
+    addresses = {"frozen": f"{b.address}:{PORT}", "closed": f"{b.address}:{PORT + 1}"}
+    with listen(hosts, b):
+        assert hosts.call(a, netprobe.check, addresses, 0.4) == {"frozen": "frozen", "closed": "ok"}
+        hosts.cut(a, b)
+        assert hosts.call(a, netprobe.check, addresses, 0.4) == {"frozen": "silent", "closed": "silent"}

@@ -51,6 +51,12 @@ class HeartbeatClock:
         self._shown_deadline: tuple[datetime, datetime] | None = None
         self._last_read: float | None = None
 
+    def age(self, name: str) -> float:
+        """Seconds since `name`'s heartbeat value last changed, on our monotonic clock, as of the last read
+        (0 for a node not seen yet: no evidence)."""
+        seen = self._seen.get(name)
+        return 0.0 if seen is None else self._monotonic() - seen[1]
+
     def present(self, state: Any) -> bool:
         """Rewrite `state`'s heartbeats (node -> datetime) and deadline into this agent's clock; True if changed."""
         now, wall = self._monotonic(), self._wall()

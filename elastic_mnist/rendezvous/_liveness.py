@@ -20,16 +20,15 @@ forms; allow agent-to-agent TCP within the job, or set peer_probe=0.
 
 from __future__ import annotations
 
-import errno
-import ipaddress
-import selectors
+import json
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
-from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key, split_endpoint
+from elastic_mnist.netprobe import PEER_BEACONS_ENV, probe, split_address
+from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._partition import CONFIRM_S, decode, encode
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
@@ -84,59 +83,6 @@ class Beacon:
         self._sock.close()
 
 
-def _split(address: str) -> tuple[str, int]:
-    try:
-        _, host, port = split_endpoint(address)
-    except EtcdV3Error as exc:
-        raise ValueError(str(exc)) from None
-    ipaddress.ip_address(host)  # ValueError unless numeric: a host name would mean a blocking DNS lookup
-    return host, port
-
-
-class Probe(NamedTuple):
-    refused: set[str]
-    """A TCP reset came back: nothing listens there any more."""
-    answered: set[str]
-    """The handshake completed: the host is up and reachable from here (the rest were silent)."""
-
-
-def probe(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> Probe:
-    """Connect to every `host:port` at once, within `timeout`: who refused, who answered."""
-    sel, socks, result = selectors.DefaultSelector(), [], Probe(set(), set())
-    for name, address in addresses.items():
-        try:
-            host, port = _split(address)
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        except (ValueError, OSError):
-            continue  # not an address we can probe: no proof either way
-        socks.append(s)
-        s.setblocking(False)
-        try:
-            code = s.connect_ex((host, port))
-        except OSError:
-            continue
-        if code == errno.ECONNREFUSED:
-            result.refused.add(name)
-        elif code == 0:
-            result.answered.add(name)
-        elif code == errno.EINPROGRESS:
-            sel.register(s, selectors.EVENT_WRITE, name)
-    deadline = time.monotonic() + timeout
-    while sel.get_map():
-        # One last look at the deadline: a prober descheduled past it still counts what completed meanwhile.
-        ready = sel.select(max(0.0, deadline - time.monotonic()))
-        for key, _ in ready:
-            error = key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            (result.refused if error == errno.ECONNREFUSED else result.answered if error == 0 else set()).add(key.data)
-            sel.unregister(key.fileobj)
-        if time.monotonic() >= deadline:
-            break
-    sel.close()
-    for s in socks:
-        s.close()
-    return result
-
-
 def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
     """The names whose `host:port` refused a TCP connection; all are probed at once, within `timeout`."""
     return probe(addresses, timeout).refused
@@ -175,14 +121,18 @@ class PeerLiveness:
         self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
         self._own = node
 
-    def learn_peers(self, round_: int) -> None:
-        """List the beacons once per completed round (no probe): who to ask during an etcd outage."""
+    def learn_peers(self, round_: int, participants: Iterable[str] = ()) -> None:
+        """List the beacons once per completed round (no probe): who to ask during an etcd outage. The
+        round's other participants' beacons go into this agent's environment, which torchrun hands to the
+        workers it starts next ($ELASTIC_MNIST_PEER_BEACONS: a late heartbeat probes them, netprobe.py)."""
         if round_ != self._learned_round:
             published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
             self._peers = {name: address for value, meta in published
                            if (name := meta.key.decode()[len(self._dir):]) != self._own
                            and (address := self._parse(meta.key.decode(), value)[0])}
             self._learned_round = round_
+            wanted = set(participants)
+            os.environ[PEER_BEACONS_ENV] = json.dumps({n: a for n, a in self._peers.items() if n in wanted})
 
     def _republish_if_missing(self, names: set[str]) -> None:
         # Another agent took our key (a refusal it got wrong, a node back under its old name): without it
@@ -193,9 +143,11 @@ class PeerLiveness:
             except (OSError, EtcdV3Error):
                 pass  # next look again
 
-    def gone(self, nodes: Iterable[str]) -> set[str]:
-        """Of `nodes`, those whose published beacon refuses connections (none without a published one;
-        never this agent itself). Also notes who is silent from here, and reads every peer's report."""
+    def gone(self, nodes: Iterable[str], stale: Iterable[str] = ()) -> set[str]:
+        """Of `nodes`, those whose published beacon refuses connections, and those of `stale` (no heartbeat
+        for a while) whose beacon is silent (a vanished host) or accepts without answering (a frozen
+        agent); none without a published beacon, never this agent itself. Also notes who is silent from
+        here, and reads every peer's report."""
         now = time.monotonic()
         wanted = {n for n in nodes if now - self._probed.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
         if not wanted:
@@ -213,7 +165,13 @@ class PeerLiveness:
                 self._revisions[name] = meta.mod_revision
         self._peers, self.reports = peers, reports
         self._republish_if_missing({meta.key.decode()[len(self._dir):] for _, meta in published})
-        result = probe(addresses)
+        spoke: set[str] = set()
+        result = probe(addresses, read_byte=spoke)
+        # No heartbeat for a while and silent (its host vanished; a partitioned node still beats), or its
+        # host answered and its agent did not (frozen): gone, without waiting out the keep-alive window.
+        silent_now, frozen = addresses.keys() - result.refused - result.answered, result.answered - spoke
+        result.refused.update((silent_now | frozen) & set(stale))
+        result.answered.difference_update(result.refused)
         newly_silent = addresses.keys() - result.refused - result.answered - self.unreachable
         if newly_silent:  # a second, longer look: one slow handshake is not a partition
             again = probe({n: addresses[n] for n in newly_silent}, CONFIRM_S)
@@ -268,7 +226,7 @@ class PeerLiveness:
         one cannot: then etcd is not away, this host is cut off from it."""
         for address in list(self._peers.values()):
             try:
-                host, port = _split(address)
+                host, port = split_address(address)
                 with socket.create_connection((host, port), timeout=timeout) as s:
                     s.settimeout(timeout)
                     if s.recv(1) == b"1":

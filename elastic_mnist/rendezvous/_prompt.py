@@ -83,14 +83,18 @@ class RoundView:
         # heartbeat is probed: participants, waiting nodes, and nodes between their exit and re-join.
         forming = not state.complete or bool(state.wait_list)
         if self.liveness is not None and state.complete and not state.closed:
-            self.liveness.learn_peers(state.round)  # once per round: whom to ask if etcd goes away
+            # once per round: whom to ask if etcd goes away, whom the workers probe
+            self.liveness.learn_peers(state.round, map(str, state.participants))
         self.hiding = False
         if self.liveness is None or state.closed or not forming or not state.last_heartbeats:
             return False
         names = {str(node): node for node in state.last_heartbeats}
         beats = {name: state.last_heartbeats[node] for name, node in names.items()}
         self._dead = {n: beat for n, beat in self._dead.items() if n not in beats or beats[n] <= beat}
-        for name in self.liveness.gone(names.keys() - self._dead.keys()):
+        # No heartbeat for 0.4 of the window (1.2 s by default, a beat is due every second) and a silent host:
+        # a vanished VM. A node that reaches etcd beats on; one silent only to us is a partition's business.
+        stale = {n for n in names if self.clock.age(n) > 0.4 * self.window.total_seconds()}
+        for name in self.liveness.gone(names.keys() - self._dead.keys(), stale):
             self._dead[name] = beats[name]
             self._forget(name)
         dead = self._dead.keys() & names.keys()

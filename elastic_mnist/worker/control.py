@@ -9,6 +9,11 @@ to learn what a heartbeat shows in seconds. Two gloo groups (CPU, TCP) exist bes
 - the watch group, driven by a thread: one tiny all-reduce every --heartbeat-interval seconds. A killed
   peer resets its TCP connections, so the heartbeat fails at once; a frozen peer misses it and the
   heartbeat fails after --peer-timeout. Either way `on_peer_lost` runs on that thread.
+- a beat in flight for SUSPECT_S makes a third thread probe the round's other nodes' agent beacons
+  (netprobe.py; the etcd-v3 agent hands their addresses to its workers): a host that stays silent, or an
+  agent that accepts but does not answer (frozen), on two probes in a row, is lost at once, well within
+  --peer-timeout. A slow peer on a loaded host still answers (its kernel and its agent's beacon thread
+  do), so load alone never loses one; without beacons (other backends) the timeout alone decides.
 Leaving is agreed through the heartbeat itself (a `leaving` flag), so a rank that finishes first never
 makes the others believe it died.
 """
@@ -24,18 +29,26 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
+from elastic_mnist import netprobe
 from elastic_mnist.distributed import group_device
 from elastic_mnist.worker.stop import StopRequest
 
+SUSPECT_S = 0.25  # a heartbeat takes milliseconds: one in flight this long has the peers' hosts probed
+PROBE_S = 0.3  # each probe's timeout; two bad ones in a row (two SYNs: one lost packet is no fault)
+
 
 class ControlPlane:
-    def __init__(self, world_size: int, config, stop: StopRequest | None = None):
+    def __init__(self, world_size: int, config, stop: StopRequest | None = None,
+                 beacons: dict[str, str] | None = None):
         self.world_size, self.heartbeat_s = world_size, config.heartbeat_interval
         self.stop = stop or StopRequest()
         self.peer_lost = threading.Event()
         self.lost_at: float | None = None
         self.lost_reason = ""
         self._leaving = threading.Event()
+        self._beacons = dict(beacons or {})
+        self._in_flight_since: float | None = None  # the beat on the wire, if any
+        self._lost_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._agree_group = self._watch_group = None
         if world_size > 1:
@@ -57,23 +70,53 @@ class ControlPlane:
             return
         self._thread = threading.Thread(target=self._beat, args=(on_peer_lost,), daemon=True, name="peer-watch")
         self._thread.start()
+        if self._beacons:
+            threading.Thread(target=self._probe_late, args=(on_peer_lost,), daemon=True, name="peer-probe").start()
 
     def _beat(self, on_peer_lost: Callable[[str], None]) -> None:
         beat = torch.zeros(1)
         while True:
             beat.fill_(1.0 if self._leaving.is_set() else 0.0)
+            self._in_flight_since = time.monotonic()
             try:
                 self._watch_group.allreduce([beat]).wait()
             except Exception as e:  # noqa: BLE001 - any failure of the heartbeat means a peer is gone
                 if self._leaving.is_set():
                     return  # we were leaving anyway; a peer that left first is no loss
-                self.lost_at, self.lost_reason = time.time(), str(e).splitlines()[0][:200]
-                self.peer_lost.set()
-                on_peer_lost(self.lost_reason)
+                self._lose(str(e).splitlines()[0][:200], on_peer_lost)
                 return
+            finally:
+                self._in_flight_since = None
             if beat.item() > 0:
                 return  # some rank is leaving: everyone stops beating after this same round
             self._leaving.wait(self.heartbeat_s)
+
+    def _lose(self, reason: str, on_peer_lost: Callable[[str], None]) -> None:
+        with self._lost_lock:  # the heartbeat's failure and the probe may both find the loss: one report
+            if self.peer_lost.is_set():
+                return
+            self.lost_at, self.lost_reason = time.time(), reason
+            self.peer_lost.set()
+        on_peer_lost(reason)
+
+    def _probe_late(self, on_peer_lost: Callable[[str], None]) -> None:
+        """While a beat is late, probe the peers' beacons; two bad verdicts in a row for a node lose it."""
+        strikes: dict[str, int] = {}
+        beat_of_strikes = None
+        while not self.peer_lost.is_set() and not self._leaving.is_set():
+            since = self._in_flight_since
+            if since is None or time.monotonic() - since < SUSPECT_S:
+                self._leaving.wait(0.05)
+                continue
+            if since != beat_of_strikes:  # a new late beat: the last one's verdicts are history
+                strikes, beat_of_strikes = {}, since
+            verdicts = netprobe.check(self._beacons, PROBE_S)
+            strikes = {n: strikes.get(n, 0) + 1 for n, v in verdicts.items() if v != "ok"}
+            lost = sorted(n for n, count in strikes.items() if count >= 2)
+            if lost and self._in_flight_since == since and not self._leaving.is_set():
+                said = ", ".join(f"{n} {'unreachable' if verdicts[n] == 'silent' else 'frozen'}" for n in lost)
+                self._lose(f"heartbeat late and its host probed twice: {said}", on_peer_lost)
+                return
 
     def leave(self, timeout_s: float = 10.0) -> None:
         """Stop the heartbeat together with the other ranks (safe to repeat)."""

@@ -5,7 +5,7 @@ within a bound whatever happens to that save.
 
 Two threads learn of the loss: the main thread when a collective raises, the peer-watch thread when the
 heartbeat fails (control.py). Whichever sees it first owns the save; the main thread wins if it fails
-within `takeover_s` of the heartbeat, because until then it may still be finishing its step. The other
+within `takeover_s` of the heartbeat. The other
 thread stands by. torchrun's agent only watches exit codes, so a watchdog started at the first sign of
 the loss ends the process at `end_s` in any case: RESTART when the state was saved, SAVE_FAILED when
 the save raised, hung (a stuck filesystem) or its thread died.
@@ -42,8 +42,11 @@ class Bounds:
     """How long the main thread asks the heartbeat whether its collective's error is a peer's loss."""
     end_s: float
     """From the first sign of the loss to the end of the process, saved or not."""
-    takeover_s: float = 1.0
-    """How long the watch thread leaves the main thread to take the save over (it may be mid-step)."""
+    takeover_s: float = 0.25
+    """How long the watch thread leaves the main thread to take the save over. Only who saves depends on
+    it: the save and the optimizer step share the trainer's state lock, so either saves a consistent step.
+    A killed peer fails both threads within milliseconds (a reset); a vanished one never fails the main
+    thread's collective, and every second waited here is a second of the recovery."""
 
     @classmethod
     def of(cls, config) -> Bounds:

@@ -130,7 +130,7 @@ def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
         stack.callback(distributed.close)
         marks["process_group"] = time.time()
         config.check_world_size(env.world_size)
-        control = ControlPlane(env.world_size, config, stop)
+        control = ControlPlane(env.world_size, config, stop, env.peer_beacons)
         stack.callback(control.leave)
         return _train(build_trainer(config, env, task, control, stack, device, marks), config, env)
 
