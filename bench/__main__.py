@@ -3,6 +3,7 @@
     python -m bench --data-dir ../shared/data --update-docs        # full: 15-25 min on 2 cores
     python -m bench --quick --out /tmp/bench                        # ~2 min, small generated data set
     python -m bench --spot-only --data-dir ../shared/data --update-docs   # the spot replay alone (bench/spot.py)
+    python -m bench --network-only --data-dir ../shared/data --update-docs  # vanish, partition (root; bench/network.py)
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
 OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import elastic, overhead, plots, report, settings, spot, targets, throughput
+from bench import elastic, network, overhead, plots, report, settings, spot, targets, throughput
 from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs of every run)")
     p.add_argument("--update-docs", action="store_true",
                    help=f"rewrite {DOCS.relative_to(REPO)} between the bench markers")
+    p.add_argument("--network-only", action="store_true",
+                   help="only the network faults between hosts: vanish and partition, 3 runs each (root)")
     p.add_argument("--spot-only", action="store_true",
                    help="only the spot trace replay (three systems, ~20 min; full mode runs it after the rest)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
@@ -134,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
     started = time.time()
-    if args.spot_only:
+    if args.spot_only or args.network_only:
         try:
-            return run_spot(args, work)
+            return run_spot(args, work) if args.spot_only else run_network(args, work)
         finally:
             if not args.keep_work and not args.work_dir:
                 shutil.rmtree(work, ignore_errors=True)
@@ -168,6 +171,25 @@ def main(argv: list[str] | None = None) -> int:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         log(f"target {t['id']}: {verdict} ({t['value']} {t['op']} {t['threshold']}) {t['detail']}")
     log(f"done in {time.time() - started:.0f} s")
+    return 0
+
+
+def run_network(args, work: Path) -> int:
+    """Vanish and partition recovery; OUT/network.json, network.md (and docs with --update-docs)."""
+    started = time.time()
+    try:
+        s = _settings(args, work)
+        result = network.measure(Runner(work), s)
+    except BenchError as e:
+        log(f"error: {e}")
+        return 1
+    result.update(provenance=provenance(), machine=describe(), wall_s=round(time.time() - started, 1),
+                  finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    if not network.write(result, Path(args.out), DOCS if args.update_docs else None):
+        log(f"{DOCS} has no {network.START} ... {network.END} markers: left unchanged")
+    for t in result["targets"]:
+        log(f"target {t['id']}: {'met' if t['met'] else 'MISSED'} ({t['value']}) {t['detail']}")
+    log(f"network faults done in {time.time() - started:.0f} s; wrote {Path(args.out) / 'network.json'}")
     return 0
 
 

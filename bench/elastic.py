@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from bench.runner import BenchError, Runner, log, python_m, ratio, shown, spread
-from bench.settings import REPEATED_SCENARIOS, Settings
+from bench.settings import HOST_REPEATS, HOST_SCENARIOS, REPEATED_SCENARIOS, Settings
 
 BREAKDOWN = ("detection_s", "rendezvous_s", "imports_s", "resume_s", "first_step_s")
 
@@ -19,6 +19,8 @@ def scenario(name: str, s: Settings) -> tuple[int, str, int]:
     f = s.fault_step
     if name == "join":
         return 1, f"join@step={f}", s.recovery_steps
+    if name == "partition":  # n0 and n1 lose each other, both still reach etcd; healed 15 s later
+        return 2, f"cut:n0-n1@step={f},heal@after=15s", f + 700
     if name == "stop":  # the frozen node is resumed once the job has recovered without it; the legacy
         # backend takes up to ~25 s to readmit it, so the run goes on 30 s (600 paced steps) past the cont
         return 2, f"stop:n1@step={f}+cont@step={f + 60}", f + 60 + 600
@@ -26,11 +28,13 @@ def scenario(name: str, s: Settings) -> tuple[int, str, int]:
 
 
 def run_local(runner: Runner, s: Settings, name: str, nodes: int, max_nodes: int, chaos: str,
-              train: list[str], backend: str = "etcd-v3") -> dict:
-    """One `elastic-mnist local` run; its report.json, plus how it was run."""
+              train: list[str], backend: str = "etcd-v3", hosts: bool = False) -> dict:
+    """One `elastic-mnist local` run (`hosts`: each node on a host of its own); its report.json, plus how
+    it was run."""
     run_dir = runner.new_dir(name)
     cmd = python_m("elastic_mnist") + [
         "local", "--nodes", str(nodes), "--max-nodes", str(max_nodes), "--rdzv-backend", backend,
+        *(["--hosts"] if hosts else []),
         "--run-dir", str(run_dir / "run"), "--timeout", str(int(s.timeout_s - 30)), "--chaos", chaos,
         "--data-dir", s.data_dir, "--global-batch-size", str(s.global_batch_size), *train]
     rc, wall, load = runner.run(cmd, run_dir / "launcher.log", s.timeout_s)
@@ -51,6 +55,8 @@ def _event(e: dict, cold_start: float | None) -> dict:
 
 
 def repeats(s: Settings, name: str, backend: str) -> int:
+    if name in HOST_SCENARIOS:
+        return HOST_REPEATS if backend == "etcd-v3" else 0
     return s.recovery_repeats if name in REPEATED_SCENARIOS and backend == "etcd-v3" else 1
 
 
@@ -72,7 +78,8 @@ def _recovery_run(runner: Runner, s: Settings, name: str, backend: str, repeat: 
     log(f"recovery: {name} on {backend} #{repeat + 1} ({nodes} node(s), chaos {chaos!r}, {steps} steps) ...")
     # Paced steps so the fault lands mid-run; a 10 s collective timeout bounds a freeze's detection.
     train = ["--max-steps", str(steps), "--min-step-time", "0.05", "--collective-timeout", "10"]
-    run = run_local(runner, s, f"recovery-{name}-{backend}-{repeat}", nodes, 2, chaos, train, backend)
+    run = run_local(runner, s, f"recovery-{name}-{backend}-{repeat}", nodes, 2, chaos, train, backend,
+                    hosts=name in HOST_SCENARIOS)
     rep = run["report"]
     rec = {"scenario": name, "backend": backend, "repeat": repeat, "nodes": nodes, "max_nodes": 2, "chaos": chaos,
            "cold_start_s": rep.get("cold_start_s"), "orphans": rep.get("orphans"),

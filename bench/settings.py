@@ -3,6 +3,7 @@ record exactly the settings its numbers came from."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 from elastic_mnist.metrics import Throughput
@@ -40,6 +41,10 @@ class Settings:
 ALL_SCENARIOS = ["kill", "term", "stop", "join"]
 # Recovery is judged by its median: one run on a shared machine can be off by a second either way.
 REPEATED_SCENARIOS = ("kill", "term", "join")
+# Each node on a host of its own (`elastic-mnist local --hosts`: network namespaces, root), etcd-v3 only,
+# HOST_REPEATS runs each: `python -m bench --network-only` (bench/network.py).
+HOST_SCENARIOS = ("vanish", "partition")
+HOST_REPEATS = 3
 
 
 def quick(data_dir: str) -> Settings:
@@ -54,5 +59,6 @@ def full(data_dir: str, repeats: int = 3) -> Settings:
     # learning-rate schedule hovers around 98% from epoch 5 on (97.9% after 6 in one run), so 10 epochs.
     # The overhead target (3%) is finer than run-to-run noise on a shared machine: at least 5 pairs.
     return Settings(mode="full", data_dir=data_dir, repeats=repeats, steps=400, overhead_steps=1400,
-                    overhead_repeats=max(repeats, 5), scenarios=list(ALL_SCENARIOS), recovery_repeats=5,
+                    overhead_repeats=max(repeats, 5), recovery_repeats=5,
+                    scenarios=list(ALL_SCENARIOS) + (list(HOST_SCENARIOS) if os.geteuid() == 0 else []),
                     tta_epochs=10)

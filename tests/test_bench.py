@@ -153,3 +153,31 @@ def test_repeated_recovery_is_judged_by_its_median():
     [p50] = [t for t in judge(results) if t["id"] == "kill_recovery_p50_etcd-v3"]
     assert (p50["value"], p50["met"]) == (3.5, True) and "2.80 s to 9.00 s" in p50["detail"]
     assert "| kill | etcd-v3 | kill | 2->1 | 5 | 3.50 (2.80-9.00) s | 1 |" in "\n".join(recovery_md(results))
+
+
+def test_network_faults_are_judged_per_event_and_rendered():
+    """A partition's split and heal each have their own bound (15 s, 10 s); a vanish the recovery one (4 s)."""
+    from bench import network
+    from bench.elastic import summarize
+
+    results = json.loads((REPO / "bench" / "results" / "results.json").read_text())
+    kill = next(r for r in results["recovery"]["runs"] if (r["scenario"], r["backend"]) == ("kill", "etcd-v3"))
+    event = kill["events"][0]
+    runs = []
+    for i, (split, heal, vanish) in enumerate([(11.0, 4.0, 3.9), (16.0, 3.5, 4.4), (12.0, 12.0, 3.0)]):
+        runs.append({**kill, "scenario": "partition", "repeat": i,
+                     "events": [{**event, "kind": "cut", "recovery_s": split},
+                                {**event, "kind": "heal", "recovery_s": heal, "world_size_before": 1,
+                                 "world_size_after": 2}]})
+        runs.append({**kill, "scenario": "vanish", "repeat": i, "events": [{**event, "kind": "vanish",
+                                                                            "recovery_s": vanish}]})
+    result = {"recovery": {"runs": runs, "summary": summarize(runs)}, "finished_at": "now", "wall_s": 1.0,
+              "machine": results["machine"], "provenance": results["provenance"]}
+    result["targets"] = network.targets._recovery_p50(result)  # noqa: SLF001
+    verdicts = {t["id"]: (t["value"], t["threshold"], t["met"]) for t in result["targets"]}
+    assert verdicts == {"partition_cut_recovery_p50_etcd-v3": (12.0, 15.0, True),
+                        "partition_heal_recovery_p50_etcd-v3": (4.0, 10.0, True),
+                        "vanish_recovery_p50_etcd-v3": (3.9, 4.0, True)}
+    text = network.render(result)
+    assert "| partition | etcd-v3 | cut | 2->1 | 3 | 12.00 (11.00-16.00) s |" in text
+    assert "partition heal: recovery p50 <= 10 s" in text
