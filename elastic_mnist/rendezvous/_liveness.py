@@ -145,9 +145,8 @@ class PeerLiveness:
 
     def gone(self, nodes: Iterable[str], stale: Iterable[str] = ()) -> set[str]:
         """Of `nodes`, those whose published beacon refuses connections, and those of `stale` (no heartbeat
-        for a while) whose beacon is silent (a vanished host) or accepts without answering (a frozen
-        agent); none without a published beacon, never this agent itself. Also notes who is silent from
-        here, and reads every peer's report."""
+        for a while) whose beacon accepts without answering (a frozen agent); none without a published
+        beacon, never this agent itself. Also notes who is silent from here, and reads every peer's report."""
         now = time.monotonic()
         wanted = {n for n in nodes if now - self._probed.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
         if not wanted:
@@ -167,11 +166,14 @@ class PeerLiveness:
         self._republish_if_missing({meta.key.decode()[len(self._dir):] for _, meta in published})
         spoke: set[str] = set()
         result = probe(addresses, read_byte=spoke)
-        # No heartbeat for a while and silent (its host vanished; a partitioned node still beats), or its
-        # host answered and its agent did not (frozen): gone, without waiting out the keep-alive window.
-        silent_now, frozen = addresses.keys() - result.refused - result.answered, result.answered - spoke
-        result.refused.update((silent_now | frozen) & set(stale))
-        result.answered.difference_update(result.refused)
+        # No heartbeat for a while, and its host answered while its agent did not: frozen, gone without
+        # waiting out the keep-alive window. Silence is never enough, however stale the heartbeat looks:
+        # a partitioned node's heartbeats reach etcd late (its agent probes while holding its backend's
+        # lock), and judging it dead would let each side form a round of its own. Only the shared reports
+        # (_partition.py) and torch's own window decide for silent nodes.
+        frozen = (result.answered - spoke) & set(stale)
+        result.refused.update(frozen)
+        result.answered.difference_update(frozen)
         newly_silent = addresses.keys() - result.refused - result.answered - self.unreachable
         if newly_silent:  # a second, longer look: one slow handshake is not a partition
             again = probe({n: addresses[n] for n in newly_silent}, CONFIRM_S)

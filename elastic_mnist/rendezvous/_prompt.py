@@ -91,9 +91,9 @@ class RoundView:
         names = {str(node): node for node in state.last_heartbeats}
         beats = {name: state.last_heartbeats[node] for name, node in names.items()}
         self._dead = {n: beat for n, beat in self._dead.items() if n not in beats or beats[n] <= beat}
-        # No heartbeat for 0.4 of the window (1.2 s by default, a beat is due every second) and a silent host:
-        # a vanished VM. A node that reaches etcd beats on; one silent only to us is a partition's business.
-        stale = {n for n in names if self.clock.age(n) > 0.4 * self.window.total_seconds()}
+        # No heartbeat for half the window (a beat is due every third of it) and an agent that does not
+        # answer its beacon: frozen (liveness.gone). Silent nodes are the partition rule's business.
+        stale = {n for n in names if self.clock.age(n) > 0.5 * self.window.total_seconds()}
         for name in self.liveness.gone(names.keys() - self._dead.keys(), stale):
             self._dead[name] = beats[name]
             self._forget(name)
