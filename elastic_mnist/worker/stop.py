@@ -42,6 +42,8 @@ class StopRequest:
         self.received = 0
         """How many stop signals arrived (a repeat changes nothing else)."""
         self._timer: threading.Timer | None = None
+        self.at_once: str = ""
+        """While set (what the worker is doing), a stop ends the process at once: nothing is loaded yet."""
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -49,6 +51,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         self.received += 1
+        if self.at_once and signum in _LEAVE_ON:
+            _exit_now(self.at_once)
         if signum == signal.SIGHUP and self.orphaned:
             return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
         if signum == signal.SIGINT:
@@ -92,6 +96,7 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             yield  # set_wakeup_fd is the main thread's (a worker run inside a test's thread)
             return
+        self.at_once = what  # the handler, between bytecodes (the start-up cost's sleep)
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         previous = signal.set_wakeup_fd(write_fd)
@@ -102,6 +107,7 @@ class StopRequest:
                 _exit_now(what)
             yield
         finally:
+            self.at_once = ""
             done.set()
             signal.set_wakeup_fd(previous)
             os.write(write_fd, b"\0")  # wakes the watcher, which closes the read end
@@ -124,9 +130,12 @@ def _watch(read_fd: int, done: threading.Event, what: str) -> None:
 
 
 def _exit_now(what: str) -> None:
-    print(f"elastic-mnist train: stop requested {what}: nothing loaded, nothing to save; exiting now",
-          file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    try:  # (from a signal handler the stream may be mid-write: the exit matters, not the line)
+        print(f"elastic-mnist train: stop requested {what}: nothing loaded, nothing to save; exiting now",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except (OSError, RuntimeError, ValueError):
+        pass
     os._exit(exit_codes.OK)
 
 
@@ -135,6 +144,7 @@ def install_early() -> None:
     global _EARLY
     if _EARLY is None:
         _EARLY = StopRequest()
+        _EARLY.at_once = "during start-up"  # importing torch, reading flags: seconds a stop need not wait
         _EARLY.install()
 
 
@@ -143,6 +153,8 @@ def for_process() -> StopRequest:
     once: a second worker run in the same process (tests) starts from no request."""
     global _EARLY
     stop, _EARLY = _EARLY, None
+    if stop is not None:
+        stop.at_once = ""  # a worker run in-process (tests) leaves at its step boundary; run() sets its own
     if stop is None:
         stop = StopRequest()
         stop.install()
