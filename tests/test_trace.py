@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 
 import pytest
 
@@ -105,6 +106,17 @@ def test_each_change_costs_its_window_and_real_scale_uses_real_intervals():
     assert acc["series"][-1]["useful_samples"] == 50
 
 
+def _spared(pid: int) -> bool:
+    """Neither dead (a SIGKILLed child is a zombie until reaped) nor with a SIGKILL pending (delivery
+    follows the kill call by a moment)."""
+    try:
+        status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":\t" in line)
+    except FileNotFoundError:
+        return False
+    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+    return status["State"][0] not in "ZX" and not pending >> (signal.SIGKILL - 1) & 1
+
+
 class _StandInLauncher(Launcher):
     """The real launcher whose nodes are real processes that only wait to be signalled (no torchrun)."""
 
@@ -171,8 +183,13 @@ def test_restart_all_kills_the_whole_job_at_every_change(tmp_path):
     try:
         launcher.replay.tick(0.0)
         first_id = launcher.run_id
+        old = [launcher.nodes[n] for n in ("n0", "n1", "n2")]
+        reaped_while = []  # at each node's clean-up: which of the old nodes were spared so far
+        launcher.replay._clean_up = lambda node: (reaped_while.append([_spared(n.proc.pid) for n in old]),
+                                                  type(launcher.replay)._clean_up(launcher.replay, node))
         launcher.replay.tick(1.0)
-        assert all(launcher.nodes[n].returncode == -9 for n in ("n0", "n1", "n2")), "no notice, no save"
+        assert all(n.returncode == -9 for n in old), "no notice, no save"
+        assert reaped_while == [[False] * 3] * 3, "every node was dead before the first one was cleaned up"
         assert [n.name for n in launcher.replay.live] == ["n3"] and launcher.run_id != first_id
         assert (launcher.args.min_nodes, launcher.args.max_nodes) == (1, 1), "a static job at the new size"
     finally:

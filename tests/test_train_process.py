@@ -2,12 +2,19 @@
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from conftest import run_train
+from conftest import REPO, run_train, worker_env
 
+from elastic_mnist import procs
 from elastic_mnist.data.mnist import BatchPlan
+from elastic_mnist.etcd.server import free_port
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import format as checkpoint
 
@@ -133,17 +140,9 @@ def _catches(pid: int, sig: int) -> bool:
 
 def test_sigterm_during_start_up_is_a_graceful_stop_whatever_repeats(small_mnist, tmp_path):
     """The handler is in place before torch loads; SIGTERM then (twice: a node-wide signal and the agent's
-    forward) still ends with the step trained and saved, exit 0, not death by signal."""
-    import signal
-    import subprocess
-    import sys
-
-    from conftest import REPO, worker_env
-
-    from elastic_mnist import procs
-
-    worker = subprocess.Popen([sys.executable, "-m", "elastic_mnist.train", *_args(small_mnist, tmp_path, "t")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=REPO)
+    forward) ends the process with exit 0, not death by signal, and before anything is loaded: nothing
+    trained, nothing saved, nothing to save."""
+    worker = _popen_worker(_args(small_mnist, tmp_path, "t"))
     try:
         procs.wait_for(lambda: _catches(worker.pid, signal.SIGTERM), 30, "the stop handler", interval_s=0.002)
         torch_loaded = "libtorch" in open(f"/proc/{worker.pid}/maps").read()
@@ -154,5 +153,42 @@ def test_sigterm_during_start_up_is_a_graceful_stop_whatever_repeats(small_mnist
         worker.kill()
     assert not torch_loaded, "the handler was installed before torch loaded"
     assert worker.returncode == 0, out
-    assert "[stop] stop requested; leaving at step 1" in out
-    assert checkpoint.load_latest(str(tmp_path / "t" / "ckpt"))[0]["step"] == 1
+    assert "stop requested during start-up: nothing loaded, nothing to save" in out, "the handler left at once"
+    assert not (tmp_path / "t" / "ckpt").exists() or not os.listdir(tmp_path / "t" / "ckpt")
+
+
+def test_sigterm_while_the_group_forms_exits_at_once_and_loses_nothing(small_mnist, tmp_path):
+    """A worker of a 2-rank round whose peer never comes blocks in the group formation (inside C++, where
+    no Python handler runs) for --connect-timeout; a preemption notice then ends it within seconds, exit
+    0, with the checkpoint it did not load untouched, and the next worker resumes from it."""
+    args = _args(small_mnist, tmp_path, "g", "--snapshot-dir", str(tmp_path / "g" / "shm"))
+    assert run_train([*args, "--max-steps", "3"]).returncode == 0
+    ckpt = tmp_path / "g" / "ckpt"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    port = free_port()
+    worker = _popen_worker([*args, "--connect-timeout", "120"], RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                           LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:  # rank 0 hosts the round's store: once it listens, the worker waits in the formation
+        procs.wait_for(lambda: _listens(port), 60, "the worker's store", interval_s=0.05)
+        sent = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        worker.kill()
+    assert worker.returncode == 0, out
+    assert took < 5, f"exited {took:.1f} s after SIGTERM (the formation bound is 120 s)"
+    assert "stop requested before the process group formed" in out, out
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before, "nothing written"
+    resumed = run_train([*args, "--max-steps", "5"])
+    assert resumed.returncode == 0 and "[resume] step 3 " in resumed.stdout, resumed.stdout + resumed.stderr
+
+
+def _popen_worker(args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "elastic_mnist.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=worker_env(**env), cwd=REPO)
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -76,11 +76,11 @@ class Node:
 
     def signal_all(self, sig: int) -> None:
         """Signal every process group in the node's tree: the whole machine crashes or freezes."""
-        for pgid in {os.getpgid(pid) for pid in self.tree() if _safe_pgid(pid)}:
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
+        signal_groups(self.groups(), sig)
+
+    def groups(self) -> set[int]:
+        """The process groups of the node's tree (the agent's session and each worker's)."""
+        return {os.getpgid(pid) for pid in self.tree() if _safe_pgid(pid)}
 
     def term_agent(self) -> None:
         if self.running:
@@ -113,6 +113,14 @@ class Node:
                     pass
         if self.proc is not None:
             self.proc.wait()
+
+
+def signal_groups(pgids: set[int], sig: int) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _safe_pgid(pid: int) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from elastic_mnist.errors import UserError
 from elastic_mnist.local import chaos, goodput
+from elastic_mnist.local.nodes import signal_groups
 
 ON_CHANGE = ("elastic", "restart-all")
 
@@ -164,6 +165,9 @@ class Replay:
     def _gone(self, node) -> None:
         """The machine is gone: every process at once, and its memory and own disk with it."""
         node.signal_all(signal.SIGKILL)
+        self._clean_up(node)
+
+    def _clean_up(self, node) -> None:
         node.shutdown(grace_s=0)
         own = self.l.node_config(node.name)
         if "snapshot_dir" not in self.l.given:
@@ -174,10 +178,14 @@ class Replay:
     def _restart_all(self, target: int, now: float) -> None:
         """The baseline: every change kills the whole job; it starts again at the new size (a static
         torchrun job, a fresh rendezvous) from its last periodic checkpoint."""
-        for node in list(self.live):
-            self.live.remove(node)
+        # Every node's processes die before any is reaped: killed one by one, the survivors would see the
+        # lost peer and save their last step (this runtime's failure path), which a plain script never does.
+        gone, self.live = self.live, []
+        for node in gone:
             node.injected = True
-            self._gone(node)
+        signal_groups(set().union(*(node.groups() for node in gone)), signal.SIGKILL)
+        for node in gone:
+            self._clean_up(node)
         self._event("restart-all", None, now)
         if target:
             self.l.run_id = f"local-{os.getpid()}-{int(now * 1000)}"

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from contextlib import contextmanager
 
 from elastic_mnist import exit_codes
 
@@ -40,6 +42,8 @@ class StopRequest:
         self.received = 0
         """How many stop signals arrived (a repeat changes nothing else)."""
         self._timer: threading.Timer | None = None
+        self.at_once: str = ""
+        """While set (what the worker is doing), a stop ends the process at once: nothing is loaded yet."""
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -47,6 +51,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         self.received += 1
+        if self.at_once and signum in _LEAVE_ON:
+            _exit_now(self.at_once)
         if signum == signal.SIGHUP and self.orphaned:
             return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
         if signum == signal.SIGINT:
@@ -78,12 +84,67 @@ class StopRequest:
     def orphaned(self) -> bool:
         return self.signum == signal.SIGHUP
 
+    @contextmanager
+    def leave_at_once(self, what: str):
+        """While the block runs this worker holds nothing to save (no state loaded: the newest is in its
+        files, the /dev/shm snapshots stay for the node's next worker), so a stop signal ends the process
+        at once, exit 0. Python runs a signal handler only between bytecodes, never inside the C++ call
+        that forms the process group, which waits up to --connect-timeout for peers that may be leaving;
+        the interpreter's wakeup fd is written from the C handler itself, so a thread sees it there."""
+        if self.requested:
+            _exit_now(what)
+        if threading.current_thread() is not threading.main_thread():
+            yield  # set_wakeup_fd is the main thread's (a worker run inside a test's thread)
+            return
+        self.at_once = what  # the handler, between bytecodes (the start-up cost's sleep)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd)
+        done = threading.Event()
+        threading.Thread(target=_watch, args=(read_fd, done, what), daemon=True, name="stop-watch").start()
+        try:
+            if self.requested:  # came before the wakeup fd was in place
+                _exit_now(what)
+            yield
+        finally:
+            self.at_once = ""
+            done.set()
+            signal.set_wakeup_fd(previous)
+            os.write(write_fd, b"\0")  # wakes the watcher, which closes the read end
+            os.close(write_fd)
+        if self.requested:  # it came as the block ended
+            _exit_now(what)
+
+
+_LEAVE_ON = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+
+
+def _watch(read_fd: int, done: threading.Event, what: str) -> None:
+    try:
+        while not done.is_set():
+            data = os.read(read_fd, 64)
+            if not done.is_set() and _LEAVE_ON & set(data):
+                _exit_now(what)
+    finally:
+        os.close(read_fd)
+
+
+def _exit_now(what: str) -> None:
+    try:  # (from a signal handler the stream may be mid-write: the exit matters, not the line)
+        print(f"elastic-mnist train: stop requested {what}: nothing loaded, nothing to save; exiting now",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except (OSError, RuntimeError, ValueError):
+        pass
+    os._exit(exit_codes.OK)
+
 
 def install_early() -> None:
     """Install a StopRequest now (main thread, before the slow imports); `for_process` hands it on."""
     global _EARLY
     if _EARLY is None:
         _EARLY = StopRequest()
+        _EARLY.at_once = "during start-up"  # importing torch, reading flags: seconds a stop need not wait
         _EARLY.install()
 
 
@@ -92,6 +153,8 @@ def for_process() -> StopRequest:
     once: a second worker run in the same process (tests) starts from no request."""
     global _EARLY
     stop, _EARLY = _EARLY, None
+    if stop is not None:
+        stop.at_once = ""  # a worker run in-process (tests) leaves at its step boundary; run() sets its own
     if stop is None:
         stop = StopRequest()
         stop.install()

@@ -111,22 +111,26 @@ def _train(trainer: Trainer, config, env) -> int:
 def pay_startup_cost(seconds: float, stop: StopRequest) -> None:
     """--startup-cost: what a GPU job spends at every start (CUDA context, NCCL init, model load) that
     this CPU MLP does not, so a replay's recoveries cost what a real job's would. A preemption notice
-    cuts it short: the job then stops at its first step boundary."""
+    cuts it short (and `run` then exits: nothing is loaded yet)."""
     deadline = time.monotonic() + seconds
     while not stop.requested and (left := deadline - time.monotonic()) > 0:
         time.sleep(min(left, 0.1))
 
 
 def run(config, env, stop: StopRequest, task: Task, marks: dict) -> int:
-    pay_startup_cost(config.startup_cost, stop)
-    marks["startup_cost"] = time.time()
-    with ExitStack() as stack:
+    # Until the state is restored (after the group forms) a stop has nothing to save: the newest state
+    # is in its files. Exiting at once spares torchrun's 30 s wait on a worker that would form a group
+    # with peers that are leaving. From the restore on, a stop saves at the first step boundary.
+    with stop.leave_at_once("before the process group formed"):
+        pay_startup_cost(config.startup_cost, stop)
+        marks["startup_cost"] = time.time()
         try:
             device = distributed.init(env, config.backend, config.collective_timeout, config.connect_timeout)
         except distributed.GroupFormationError as e:
             # Nothing trained, nothing to save: torchrun's next round is formed from who can reach whom.
             print(f"elastic-mnist train: {e}; exiting for torchrun to form a new round", file=sys.stderr, flush=True)
             return exit_codes.RESTART
+    with ExitStack() as stack:
         stack.callback(distributed.close)
         marks["process_group"] = time.time()
         config.check_world_size(env.world_size)
