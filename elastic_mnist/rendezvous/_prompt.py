@@ -112,6 +112,9 @@ class RoundView:
         losing = losing_side(alive, reports)
         self.cut_off = own in losing
         self.side = frozenset(alive - losing) if losing else frozenset()
+        if self.cut_off:
+            self._say(f"cannot reach {', '.join(sorted(self.side))} (silent while etcd answers: a partition); the "
+                      "job goes on there, this node waits without starting workers and rejoins once it can")
         return set() if self.cut_off else losing
 
     def hold(self, seconds: float) -> bool:
@@ -121,11 +124,7 @@ class RoundView:
         while self.cut_off and self.liveness is not None:
             if self.liveness.reaches(self.side):
                 self.cut_off = False
-                if self._said.startswith("cannot"):
-                    self._say("reaches every node of the round again: joining it")
             elif time.monotonic() < deadline:
-                self._say(f"cannot reach {', '.join(sorted(self.side))} (silent while etcd answers: a partition); the "
-                          "job goes on there, this node waits without starting workers and rejoins once it can")
                 time.sleep(RECHECK_S)
             else:
                 return True
@@ -138,7 +137,7 @@ class RoundView:
             pass
 
     def _say(self, line: str) -> None:
-        # once per change of mind, on the agent's stderr (what `kubectl logs` and the node logs show)
+        # once, not on every look at the state: on the agent's stderr (what `kubectl logs` and the node logs show)
         if line != self._said:
             self._said = line
             print(f"elastic-mnist etcd-v3: {self.liveness.own}: {line}", file=sys.stderr, flush=True)
@@ -177,21 +176,24 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
         joining = type(state_handler) is RendezvousJoinOp  # not the keep-alive: its heartbeat goes on
 
         def prompt(ctx: RendezvousContext, deadline: float) -> Action:
-            # Cut off from the winning side of a partition: no join (and no workers) until it is reachable.
-            while joining and self.view is not None and time.monotonic() < deadline and self.view.hold(HOLD_S):
-                self._state_holder.sync()
-                self._state = self._state_holder.state
-                ctx = RendezvousContext(self._node, self._state, self._settings)
-            action = state_handler(ctx, deadline)
-            while action == Action.SYNC:
+            while True:
+                # Cut off from the winning side of a partition: no join (and no workers) until it is
+                # reachable; looked at before every action, also while waiting in the wait list.
+                while joining and self.view is not None and time.monotonic() < deadline and self.view.hold(HOLD_S):
+                    ctx = self._look_again()
+                action = state_handler(ctx, deadline)
+                if action != Action.SYNC:
+                    return action
                 self._wait_for_change(POLL_S)
-                self._state_holder.sync()
-                # torch's loop acts on self._state: it must be the state the action was chosen from.
-                self._state = self._state_holder.state
-                action = state_handler(RendezvousContext(self._node, self._state, self._settings), deadline)
-            return action
+                ctx = self._look_again()
 
         super().run(prompt, deadline, update_deadline)
+
+    def _look_again(self) -> RendezvousContext:
+        self._state_holder.sync()
+        # torch's loop acts on self._state: it must be the state the action was chosen from.
+        self._state = self._state_holder.state
+        return RendezvousContext(self._node, self._state, self._settings)
 
     def _remove_from_participants(self) -> None:
         super()._remove_from_participants()
