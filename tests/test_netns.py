@@ -114,9 +114,12 @@ def test_everything_is_removed_when_the_owner_fails():
     assert_gone(run_id)
 
 
+# Ctrl-C at a terminal: a test run started as a background job inherits SIGINT ignored, and Python then
+# installs no handler of its own, so the owner puts the default one back.
 OWNER = """
 import os, signal, sys, time
 from elastic_mnist.local.netns import Hosts
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with Hosts() as hosts:
     hosts.add("n0")
     hosts.popen("n0", ["sleep", "600"])
