@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, worker_env
 from netns import assert_gone, dial
 
-from elastic_mnist import netprobe
+from elastic_mnist import netprobe, procs
 from elastic_mnist.local import netns
 
 PORT = 7000  # inside hosts made for this test: nothing else can hold it there
@@ -100,7 +100,9 @@ def test_vanish_kills_every_process_on_the_host_and_restart_brings_it_back_empty
     assert proc.wait(timeout=10) == -signal.SIGKILL and hosts.pids(b) == []
     assert dial(hosts, a, b.address, PORT) == "timeout"
     hosts.restart(b)
-    assert dial(hosts, a, b.address, PORT) == "refused", "the host answers again"
+    # n0's neighbour entry for n1 failed while the link was down: its first SYN may wait on a new ARP
+    # round, so the host is asked until it answers (a reset: up, nothing listening), within 10 s.
+    procs.wait_for(lambda: dial(hosts, a, b.address, PORT) == "refused", 10, "the restarted host to answer")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
