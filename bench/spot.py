@@ -17,6 +17,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench import report
 from bench.fmt import num, pct
 from bench.runner import REPO, BenchError, Runner, log, python_m, shown
 
@@ -226,8 +227,5 @@ def write(result: dict, out: Path, docs: Path | None) -> None:
     if docs is not None:
         import os
 
-        text = render(result, image_prefix=os.path.relpath(out, docs.parent) + "/")
-        content = docs.read_text()
-        if START in content and END in content:
-            head, rest = content.split(START, 1)
-            docs.write_text(f"{head}{START}\n{text}{END}{rest.split(END, 1)[1]}")
+        report.update_between_markers(docs, render(result, image_prefix=os.path.relpath(out, docs.parent) + "/"),
+                                      START, END)
