@@ -12,12 +12,14 @@ import signal
 
 import pytest
 
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
 from elastic_mnist.local import goodput
 from elastic_mnist.local.launcher import Launcher, parse
 from elastic_mnist.local.nodes import Node
 from elastic_mnist.local.trace import load_trace, parse_window
 from elastic_mnist.procs import child_env
+from elastic_mnist.state import snapshots
 
 
 def _trace(tmp_path, data, gap=300):
@@ -115,6 +117,22 @@ def _spared(pid: int) -> bool:
         return False
     pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
     return status["State"][0] not in "ZX" and not pending >> (signal.SIGKILL - 1) & 1
+
+
+@pytest.fixture(autouse=True)
+def _memory_removed():
+    """The stand-in nodes keep their "memory" where a real run's does (the per-user /dev/shm root); the
+    test owns what it made there: removed after it, the root too when this test created it."""
+    root = snapshots.root_of(TrainConfig().snapshot_dir)
+    existed = os.path.isdir(root)
+    before = set(os.listdir(root)) if existed else set()
+    yield
+    if os.path.isdir(root):
+        for name in set(os.listdir(root)) - before:
+            if name.startswith("local-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if not existed and not os.listdir(root):
+            os.rmdir(root)
 
 
 class _StandInLauncher(Launcher):

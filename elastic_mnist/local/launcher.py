@@ -12,6 +12,7 @@ workers, etcd) and exits non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -252,6 +253,8 @@ class Launcher:
                 node.shutdown()
             self.etcd.close()
             shutil.rmtree(self.shm_root, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the per-user root too, unless another run still keeps state there
+                os.rmdir(os.path.dirname(self.shm_root))
         return self.report()
 
     def _cold_start_s(self) -> float | None:
