@@ -25,6 +25,7 @@ import time
 from typing import NamedTuple
 
 PEER_BEACONS_ENV = "ELASTIC_MNIST_PEER_BEACONS"
+PROBE_TIMEOUT_S = 0.3  # an agent's probe while a round forms: a reachable kernel answers in well under a millisecond
 
 
 class Probe(NamedTuple):
@@ -75,7 +76,7 @@ def _wait(sel: selectors.BaseSelector, timeout: float, on_ready) -> None:
             break
 
 
-def probe(addresses: dict[str, str], timeout: float = 0.3, read_byte: set[str] | None = None) -> Probe:
+def probe(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S, read_byte: set[str] | None = None) -> Probe:
     """Connect to every `host:port` at once, within `timeout`: who refused, who answered. With `read_byte`
     (a set to fill), the names whose connection also delivered a byte within the same timeout."""
     sel, result = selectors.DefaultSelector(), Probe(set(), set())

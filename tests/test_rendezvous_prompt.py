@@ -28,10 +28,11 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist import procs
 from elastic_mnist.etcd.server import EtcdServer, free_port
+from elastic_mnist.netprobe import probe
 from elastic_mnist.rendezvous import EtcdV3ConfigError
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
 from elastic_mnist.rendezvous._lease import LeaseKeeper
-from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness, refused
+from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness
 from elastic_mnist.rendezvous._prompt import LONG_AGO, RoundView
 from elastic_mnist.rendezvous._state import seal, verified
 
@@ -146,13 +147,13 @@ def closed_address() -> str:
         return f"127.0.0.1:{listener.getsockname()[1]}"
 
 
-# --- refused(): only a refusal counts ---------------------------------------------------------------
+# --- probe().refused: only a refusal counts ---------------------------------------------------------------
 
 def test_a_live_beacon_answers_and_a_closed_port_refuses() -> None:
     live = Beacon("127.0.0.1")
     try:
-        assert refused({"live": live.address, "closed": closed_address()}) == {"closed"}
-        assert refused({"live": live.address}) == set(), "asked twice: the beacon keeps accepting"
+        assert probe({"live": live.address, "closed": closed_address()}).refused == {"closed"}
+        assert probe({"live": live.address}).refused == set(), "asked twice: the beacon keeps accepting"
     finally:
         live.close()
 
@@ -173,7 +174,7 @@ def test_a_closed_beacon_refuses_at_once() -> None:
     except TimeoutError:
         pytest.skip("this kernel does not show where a thread sleeps (/proc/PID/task/TID/wchan)")
     beacon.close()
-    assert refused({"closed": beacon.address}) == {"closed"}
+    assert probe({"closed": beacon.address}).refused == {"closed"}
 
 
 def test_a_timeout_is_no_proof_of_death() -> None:
@@ -187,7 +188,7 @@ def test_a_timeout_is_no_proof_of_death() -> None:
         addresses = {"full": f"127.0.0.1:{full.getsockname()[1]}", "unroutable": "10.255.255.1:9",
                      "closed": closed_address(), "garbage": "no-port"}
         started = time.monotonic()
-        assert refused(addresses, timeout=0.5) == {"closed"}
+        assert probe(addresses, timeout=0.5).refused == {"closed"}
         assert time.monotonic() - started < 1.5, "probed in parallel, bounded by the timeout"
     finally:
         filler.close()
@@ -204,11 +205,11 @@ def test_a_frozen_process_is_not_refused() -> None:
         address = child.stdout.readline().strip()  # type: ignore[union-attr]
         child.send_signal(signal.SIGSTOP)
         procs.wait_for(lambda: procs.proc_state(child.pid) == "T", 10, "the child to stop")
-        assert refused({"frozen": address}, timeout=0.5) == set()
+        assert probe({"frozen": address}, timeout=0.5).refused == set()
         child.send_signal(signal.SIGCONT)
         child.kill()
         child.wait()
-        assert refused({"killed": address}) == {"killed"}, "the same address refuses once the process is gone"
+        assert probe({"killed": address}).refused == {"killed"}, "the same address refuses once the process is gone"
     finally:
         child.send_signal(signal.SIGCONT)
         child.kill()
@@ -229,7 +230,7 @@ def test_beacons_are_published_sealed_and_removed(etcd: EtcdServer) -> None:
     dead, directory = closed_address(), f"{PREFIX}/{run_id}/probe/"
     [(name, value)] = probe_keys(etcd, run_id).items()
     address = verified(secret, directory + name, value).decode()  # sealed with the job's secret, for this key
-    assert name == "node-a" and refused({name: address}) == set()
+    assert name == "node-a" and probe({name: address}).refused == set()
     client = raw_client(etcd)
     client.put(directory + "forged", dead)  # someone without the secret: no proof of anything
     client.put(directory + "sealed", seal(secret, directory + "sealed", dead.encode()))
@@ -246,7 +247,7 @@ def test_beacons_are_published_sealed_and_removed(etcd: EtcdServer) -> None:
 def test_probing_is_on_by_default_and_off_with_peer_probe_0(etcd: EtcdServer) -> None:
     on = get_rendezvous_handler(rdzv_params(etcd.endpoint, "probe-on"))
     [(name, address)] = probe_keys(etcd, "probe-on").items()
-    assert name == str(on._this_node) and refused({name: address.decode()}) == set()  # noqa: SLF001
+    assert name == str(on._this_node) and probe({name: address.decode()}).refused == set()  # noqa: SLF001
     get_rendezvous_handler(rdzv_params(etcd.endpoint, "probe-off", peer_probe=0))
     assert probe_keys(etcd, "probe-off") == {}
 
@@ -383,7 +384,7 @@ def test_a_loopback_beacon_is_probed_only_on_the_host_that_published_it(etcd: Et
 def test_refused_ignores_what_is_not_a_numeric_address() -> None:
     """A malformed published value must not break the state read, nor cost a DNS lookup."""
     bad = {"port": "127.0.0.1:99999", "name": "localhost:80", "junk": "nonsense"}
-    assert refused({**bad, "closed": closed_address()}) == {"closed"}
+    assert probe({**bad, "closed": closed_address()}).refused == {"closed"}
 
 
 def _aged(view: RoundView, beat: datetime) -> bool:

@@ -27,13 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from elastic_mnist.netprobe import PEER_BEACONS_ENV, probe, split_address
+from elastic_mnist.netprobe import PEER_BEACONS_ENV, PROBE_TIMEOUT_S, probe, split_address
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._partition import CONFIRM_S, decode, encode
 from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
 
-PROBE_TIMEOUT_S = 0.3
 RECHECK_S = 0.5  # a peer that answered is asked again after this long, at the earliest
 
 
@@ -81,11 +80,6 @@ class Beacon:
         except OSError:
             pass
         self._sock.close()
-
-
-def refused(addresses: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
-    """The names whose `host:port` refused a TCP connection; all are probed at once, within `timeout`."""
-    return probe(addresses, timeout).refused
 
 
 class PeerLiveness:
