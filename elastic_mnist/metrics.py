@@ -116,7 +116,11 @@ class Throughput:
 def process_age_s() -> float:
     """Seconds since this process started (kernel start time, so interpreter and import time count).
     The start time is in clock ticks since boot; CLOCK_BOOTTIME is the same clock (btime in /proc/stat
-    is rounded to whole seconds and would be off by up to one)."""
+    is rounded to whole seconds and would be off by up to one). A warm child counts from its stand-in's
+    exec, where torchrun started this worker (elastic_mnist/warm)."""
+    handed = os.environ.get(procs.STARTED_AT_ENV)
+    if handed:
+        return time.time() - float(handed)
     ticks = procs.start_ticks(os.getpid())
     if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
         return float("nan")

@@ -117,6 +117,10 @@ def torchrun_command(torchrun_args: list[str], module_args: list[str], module: s
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *program, *module_args]
 
 
+# Set in a worker forked from a warm process (elastic_mnist/warm): the wall time its stand-in was exec()ed
+# by torchrun, where this worker's start really began (its own kernel start time is the fork).
+STARTED_AT_ENV = "ELASTIC_MNIST_STARTED_AT"
+
 # The name a launcher gives the node a worker runs on (elastic-mnist local: n0, n1, ...); workers stamp
 # their journal records with it (default: the host name), so a reader knows where each record came from.
 NODE_ENV = "ELASTIC_MNIST_NODE"

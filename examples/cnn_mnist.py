@@ -11,11 +11,17 @@ the loss (summed over a batch) and what counts as correct. Everything else is th
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from elastic_mnist.warm import handoff
 
-from elastic_mnist.task import Task
-from elastic_mnist.train import launch
+# Under an etcd-v3 agent, run as a fork of its warm process (torch already imported): this must come before
+# `import torch` (docs/your-model.md).
+handoff(preload=("torch", "elastic_mnist.train"))
+
+import torch  # noqa: E402 - after the hand-off above
+from torch import nn  # noqa: E402 - after the hand-off above
+
+from elastic_mnist.task import Task  # noqa: E402 - after the hand-off above
+from elastic_mnist.train import launch  # noqa: E402 - after the hand-off above
 
 
 class SmallCNN(nn.Module):

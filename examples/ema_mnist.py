@@ -14,11 +14,17 @@ default Adam avoids that. A start is also where the EMA is built, before the res
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from elastic_mnist.warm import handoff
 
-from elastic_mnist.task import MnistMLP
-from elastic_mnist.train import launch
+# Under an etcd-v3 agent, run as a fork of its warm process (torch already imported): this must come before
+# `import torch` (docs/your-model.md).
+handoff(preload=("torch", "elastic_mnist.train"))
+
+import torch  # noqa: E402 - after the hand-off above
+from torch import nn  # noqa: E402 - after the hand-off above
+
+from elastic_mnist.task import MnistMLP  # noqa: E402 - after the hand-off above
+from elastic_mnist.train import launch  # noqa: E402 - after the hand-off above
 
 
 class EMA:

@@ -36,6 +36,8 @@ class EtcdV3Settings:
     window: timedelta = timedelta(seconds=3)
     """keep_alive_interval x keep_alive_max_attempt: how long a silent node stays in the rendezvous."""
     last_call: timedelta = timedelta(seconds=1)
+    warm_start: bool = True
+    """Workers start as forks of a warm process beside the agent (elastic_mnist/warm)."""
 
 
 def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
@@ -44,6 +46,13 @@ def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
     except ValueError as exc:
         raise EtcdV3ConfigError(f"--rdzv-conf {key}={params.get(key)!r} is not an integer") from exc
     return default if value is None else value
+
+
+def _flag(params: RendezvousParameters, key: str) -> bool:
+    value = _int_option(params, key, 1)
+    if value not in (0, 1):
+        raise EtcdV3ConfigError(f"--rdzv-conf {key} must be 0 or 1, not {params.get(key)!r}")
+    return bool(value)
 
 
 def _lease_ttl(params: RendezvousParameters) -> int:
@@ -70,13 +79,11 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
         job_secret = secret(params.get("secret_file"))
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(str(exc)) from exc
-    probe = _int_option(params, "peer_probe", 1)
-    if probe not in (0, 1):
-        raise EtcdV3ConfigError(f"--rdzv-conf peer_probe must be 0 or 1, not {params.get('peer_probe')!r}")
+    probe, warm = _flag(params, "peer_probe"), _flag(params, "warm_start")
     window = timedelta(seconds=_int_option(params, "keep_alive_interval", 5)
                        * _int_option(params, "keep_alive_max_attempt", 3))  # torch's defaults
     last_call = timedelta(seconds=_int_option(params, "last_call_timeout", 30))
     # The agent rides out an etcd outage (preflight and status, which also read the schema, do not).
     conn = connection_spec(params.endpoint, {"outage_timeout": DEFAULT_OUTAGE_TIMEOUT_S, **params.config})
     return EtcdV3Settings(conn, prefix, _lease_ttl(params), job_secret,
-                          bool(probe), window, last_call)
+                          probe, window, last_call, warm)

@@ -30,6 +30,7 @@ the state (_leave.py). Only a frozen node, or one whose host vanished, costs the
   read_timeout=10 (each etcd call's deadline, s)  key_prefix=/torchelastic/v3  lease_ttl=7200 (0: never; _lease.py)
   outage_timeout=360   how long a running agent waits for an etcd that answered it before (s)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
+  warm_start=1         workers start as forks of a warm process that imported torch once (0: cold; warm/)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
   user=NAME  password_file=PATH  etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $..._PASSWORD_FILE); password=
   secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
@@ -78,6 +79,7 @@ from elastic_mnist.rendezvous.conf import (
 )
 from elastic_mnist.rendezvous.store import EtcdV3Store
 from elastic_mnist.torchrun_settings import RDZV_CONF
+from elastic_mnist.warm import server as warm_server
 
 # The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
 __all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",
@@ -245,6 +247,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     exit_if_closed(params.run_id, backend.get_state(), store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
+    if params.get_as_int("warm_start", 1):  # checked by create_backend
+        warm_server.start_for_workers()  # importing torch now, while the first round forms
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, worker_env
 
 from elastic_mnist.data.mnist import BatchPlan
-from elastic_mnist.procs import alive, children
+from elastic_mnist.procs import alive, descendants
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state.format import load_latest
 
@@ -149,9 +149,11 @@ def test_sigterm_to_the_launcher_stops_everything(small_mnist, tmp_path):
         if "[first-step]" in line:
             break
     agents = [json.loads(p.read_text())["pid"] for p in (tmp_path / "nodes").glob("*.json")]
-    workers = [pid for agent in agents for pid in children().get(agent, [])]
+    # every agent's tree: its worker (a warm child, its stand-in and the warm process under etcd-v3)
+    trees = [[pid for pid in descendants(agent) if pid != agent] for agent in agents]
+    workers = [pid for tree in trees for pid in tree]
     etcd_pid = int((tmp_path / "etcd.pid").read_text())
-    assert len(agents) == 2 and len(workers) == 2 and alive(etcd_pid)
+    assert len(agents) == 2 and all(trees) and alive(etcd_pid)
     launcher.send_signal(signal.SIGTERM)
     launcher.communicate(timeout=90)  # drains the pipe while the launcher stops everything
     assert launcher.returncode != 0

@@ -1,0 +1,124 @@
+"""The worker's side of a warm start: hand this process's command to the agent's warm process, then stand
+in for the child it forks until that child exits.
+
+    ELASTIC_MNIST_WARM=@ADDRESS python -m elastic_mnist.train ...   # torchrun sets the variable for its workers
+
+Without the variable, or when the warm process cannot take the request (gone, another interpreter, CUDA
+already initialised in it), `handoff()` returns and the worker starts cold, as if it had not been called.
+Standard library only: this runs before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from elastic_mnist import exit_codes, procs
+from elastic_mnist.warm import _wire
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+REPLY_TIMEOUT_S = 120.0
+"""How long to wait for the child's pid: on a node's first start the warm process may still be importing."""
+
+
+class _StandIn:
+    """Signals for the child: held until its pid is known, then forwarded as they come."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.pidfd: int | None = None
+        self.saved = {sig: signal.getsignal(sig) for sig in FORWARDED}
+        for sig in FORWARDED:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.pidfd is None:
+            self.pending.append(signum)
+        else:
+            _send(self.pidfd, signum)
+
+    def attach(self, pid: int) -> None:
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # it already ended; its status is on the way
+            self.pidfd = -1
+        for signum in self.pending:
+            _send(self.pidfd, signum)
+
+    def give_back(self) -> None:
+        """No warm start: the handlers before ours, then the signals that came meanwhile, in order."""
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for signum in self.pending:
+            signal.raise_signal(signum)
+
+
+def _send(pidfd: int, signum: int) -> None:
+    if pidfd >= 0:
+        try:
+            signal.pidfd_send_signal(pidfd, signum)
+        except ProcessLookupError:
+            pass
+
+
+def handoff(preload: tuple[str, ...] = ()) -> None:
+    """Run this process's command in a warm child and never return, or return at once (start cold).
+    `preload`: modules the warm process imports before it forks (they are imported once per node)."""
+    address = os.environ.pop(_wire.ADDRESS_ENV, "")
+    if not address or _wire.STARTED_ENV in os.environ or not hasattr(os, "pidfd_open"):
+        return
+    started = time.time()
+    stand_in = _StandIn()
+    procs.set_parent_death_signal(signal.SIGHUP)  # our agent dies: the child stops with its group and saves
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lines, first = _wire.Lines(sock), None
+    try:
+        sock.settimeout(REPLY_TIMEOUT_S)
+        sock.connect(_wire.sockaddr(address))
+        _wire.send_request(sock, _request(preload, started))
+        first = lines.next()
+    except (OSError, ValueError):
+        pass
+    if not first or "pid" not in first:
+        sock.close()
+        stand_in.give_back()
+        if first and first.get("refused"):
+            print(f"elastic-mnist warm start: starting cold: {first['refused']}", file=sys.stderr, flush=True)
+        return
+    sock.settimeout(None)
+    stand_in.attach(int(first["pid"]))
+    _finish(_wait(lines, stand_in.pidfd))
+
+
+def _request(preload: tuple[str, ...], started: float) -> dict:
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    target = {"module": spec.name} if spec is not None else {"path": os.path.abspath(main.__file__)}
+    return {"exe": sys.executable, "version": sys.version, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
+            "env": dict(os.environ), "target": target, "preload": list(preload), "started": started,
+            "unbuffered": bool(getattr(sys.stdout, "write_through", False))}  # python -u, or $PYTHONUNBUFFERED
+
+
+def _wait(lines: _wire.Lines, pidfd: int) -> int:
+    """The child's exit status: a code, or minus the signal that ended it."""
+    message = lines.next()
+    if message is not None and "exit" in message:
+        return int(message["exit"])
+    # The warm process is gone (its agent died): its child stops on its own (parent-death signal); be
+    # there until it is gone, so the agent's view of this worker ends when the worker does.
+    if pidfd >= 0:
+        select.select([pidfd], [], [])
+    return exit_codes.FAILURE
+
+
+def _finish(code: int) -> None:
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, nor reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = exit_codes.killed_by(-code)
+    os._exit(code)
