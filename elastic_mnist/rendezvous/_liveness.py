@@ -145,18 +145,11 @@ class PeerLiveness:
         wanted = {n for n in nodes if now - self._probed.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
         if not wanted:
             return set()
-        published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
-        addresses, peers, reports = {}, {}, {}
-        for value, meta in published:
-            key = meta.key.decode()
-            name = key[len(self._dir):]
-            address, report = self._parse(key, value) if name != self._own else (None, frozenset())
-            if address:
-                peers[name], reports[name] = address, report
-            if name in wanted and address:
-                addresses[name] = address
+        published = self.read_reports()
+        addresses = {n: self._peers[n] for n in wanted if n in self._peers}
+        for _, meta in published:
+            if (name := meta.key.decode()[len(self._dir):]) in addresses:
                 self._revisions[name] = meta.mod_revision
-        self._peers, self.reports = peers, reports
         self._republish_if_missing({meta.key.decode()[len(self._dir):] for _, meta in published})
         spoke: set[str] = set()
         result = probe(addresses, read_byte=spoke)
@@ -177,14 +170,27 @@ class PeerLiveness:
         for name in result.refused:
             self._probed.pop(name, None)
         self._probed.update(dict.fromkeys(addresses.keys() - result.refused, now))
-        self._note_unreachable((self.unreachable & (peers.keys() - addresses.keys())) | silent)
+        self._note_unreachable((self.unreachable & (self._peers.keys() - addresses.keys())) | silent)
         return result.refused
+
+    def read_reports(self) -> list:
+        """Every published beacon (as etcd returns them), and from them the peers' addresses and reports."""
+        published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
+        peers, reports = {}, {}
+        for value, meta in published:
+            key = meta.key.decode()
+            name = key[len(self._dir):]
+            address, report = self._parse(key, value) if name != self._own else (None, frozenset())
+            if address:
+                peers[name], reports[name] = address, report
+        self._peers, self.reports = peers, reports
+        return published
 
     def reaches(self, nodes: Iterable[str]) -> bool:
         """Does this host reach the beacons of all `nodes` (as last listed) now? Clears them from our report
         when they answer; a node without a known beacon counts as reached (no evidence either way)."""
         addresses = {n: self._peers[n] for n in nodes if n in self._peers}
-        result = probe(addresses, CONFIRM_S)
+        result = probe(addresses)  # short: a silent peer is asked again on the next look
         reached = result.answered | result.refused  # a refusal comes from the peer's own kernel: its host is reachable
         self._note_unreachable(self.unreachable - reached)
         return reached >= addresses.keys()

@@ -37,6 +37,7 @@ from elastic_mnist._torch_compat import (
     RendezvousExitOp,
     RendezvousJoinOp,
 )
+from elastic_mnist.rendezvous._client import EtcdV3Error
 from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
 from elastic_mnist.rendezvous._liveness import RECHECK_S, PeerLiveness
 from elastic_mnist.rendezvous._partition import losing_side
@@ -59,6 +60,7 @@ class RoundView:
         self._dead: dict[str, datetime] = {}
         # The side of a partial partition this node is not on (_partition.py), as of the last state read.
         self.cut_off, self.side = False, frozenset()
+        self._alive: set[str] = set()  # the nodes the last decision was made over
         self._said = ""
         self.hiding = False  # the last state read had nodes hidden for a partition
 
@@ -98,7 +100,8 @@ class RoundView:
             self._dead[name] = beats[name]
             self._forget(name)
         dead = self._dead.keys() & names.keys()
-        partitioned = self._partitioned(names.keys() - dead)
+        self._alive = names.keys() - dead
+        partitioned = self._partitioned(self._alive)
         self.hiding = bool(partitioned)
         hidden = dead | partitioned
         for name in hidden:
@@ -122,13 +125,24 @@ class RoundView:
         still cannot (the caller looks at the state again, which re-reads every report)."""
         deadline = time.monotonic() + seconds
         while self.cut_off and self.liveness is not None:
-            if self.liveness.reaches(self.side):
+            if self._decide_again() or self.liveness.reaches(self.side):
                 self.cut_off = False
             elif time.monotonic() < deadline:
                 time.sleep(RECHECK_S)
             else:
                 return True
         return False
+
+    def _decide_again(self) -> bool:
+        """The others' newest reports may put this node on the winning side: the peers that detected a
+        loss at the same moment as this one publish theirs a moment later (a vanished rank 0 of three:
+        each survivor alone sees a tie with the vanished node, which the lowest name would win)."""
+        try:
+            self.liveness.read_reports()
+        except (EtcdV3Error, OSError):
+            return False
+        self._partitioned(self._alive)
+        return not self.cut_off
 
     def _forget(self, name: str) -> None:
         try:
