@@ -117,6 +117,8 @@ def torchrun_command(torchrun_args: list[str], module_args: list[str], module: s
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *program, *module_args]
 
 
+# Set by an etcd-v3 agent for the workers it starts: where its warm process listens (elastic_mnist/warm).
+WARM_ADDRESS_ENV = "ELASTIC_MNIST_WARM"
 # Set in a worker forked from a warm process (elastic_mnist/warm): the wall time its stand-in was exec()ed
 # by torchrun, where this worker's start really began (its own kernel start time is the fork).
 STARTED_AT_ENV = "ELASTIC_MNIST_STARTED_AT"
@@ -131,7 +133,8 @@ def child_env(**extra: str) -> dict[str, str]:
     torchrun must not leak its own), this venv first on PATH, unbuffered output, and one intra-op
     thread unless the caller set more (several processes share few cores)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_",
-                                                                     "ROLE_", "TORCHELASTIC", "MASTER_"))}
+                                                                     "ROLE_", "TORCHELASTIC", "MASTER_"))
+           and k not in (WARM_ADDRESS_ENV, STARTED_AT_ENV)}  # a warm process is its own agent's alone
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

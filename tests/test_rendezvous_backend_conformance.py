@@ -261,7 +261,8 @@ class Nodes:
 
     def add(self, min_nodes: int = 2, max_nodes: int = 2, **conf: object) -> DynamicRendezvousHandler:
         params = RendezvousParameters("etcd-v3", self.endpoint, RUN_ID, min_nodes, max_nodes,
-                                      local_addr=f"address_{len(self.handlers)}", **{"join_timeout": 60, **conf})
+                                      local_addr=f"address_{len(self.handlers)}",
+                                      **{"join_timeout": 60, "warm_start": 0, **conf})  # no workers: no warm process
         self.handlers.append(create_rdzv_handler(params))
         return self.handlers[-1]
 

@@ -201,7 +201,7 @@ import sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 params = RendezvousParameters("etcd-v3", sys.argv[1], sys.argv[2], 2, 2, local_addr="127.0.0.1",
-                              keep_alive_interval=1, keep_alive_max_attempt=2, join_timeout=120)
+                              keep_alive_interval=1, keep_alive_max_attempt=2, join_timeout=120, warm_start=0)
 info = get_rendezvous_handler(params).next_rendezvous()
 print(info.rank, info.world_size, flush=True)
 sys.stdin.read()  # alive and heartbeating until killed
@@ -429,7 +429,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # as torchrun's agent: the signal raises, the process exits
 params = RendezvousParameters("etcd-v3", sys.argv[1], sys.argv[2], 2, 2, local_addr="127.0.0.1",
-                              keep_alive_interval=5, keep_alive_max_attempt=3, join_timeout=120)
+                              keep_alive_interval=5, keep_alive_max_attempt=3, join_timeout=120, warm_start=0)
 info = get_rendezvous_handler(params).next_rendezvous()
 print(info.rank, info.world_size, flush=True)
 sys.stdin.read()

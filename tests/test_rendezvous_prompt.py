@@ -53,7 +53,8 @@ for line in sys.stdin:
     if cmd == "open":
         p = json.loads(arg)
         handler = get_rendezvous_handler(RendezvousParameters(
-            "etcd-v3", p.pop("endpoint"), p.pop("run_id"), p.pop("min"), p.pop("max"), local_addr="127.0.0.1", **p))
+            "etcd-v3", p.pop("endpoint"), p.pop("run_id"), p.pop("min"), p.pop("max"), local_addr="127.0.0.1",
+            warm_start=0, **p))
         print(json.dumps({"node": str(handler._this_node)}), flush=True)
     elif cmd == "next":
         started = time.monotonic()

@@ -39,9 +39,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def warm(tmp_path):
-    """A warm server owned by this test (its agent is the test process) and the environment that finds it."""
+@pytest.fixture(scope="module")
+def warm():
+    """A warm server owned by this module's tests (its agent is the test process), and the environment
+    that finds it; it serves every test here, as one serves every worker start of its agent."""
     environ: dict[str, str] = {}
     proc = start_for_workers(environ)
     assert proc is not None
@@ -133,6 +134,7 @@ def test_the_server_ends_with_its_agent():
     os.close(ready_w)
     try:
         assert os.read(ready_r, 1) == b"1"  # it listens, and watches the agent
+        assert os.read(ready_r, 1) == b"2"  # torch imported
         agent.kill()
         agent.wait()
         assert server.wait(timeout=120) == 0

@@ -248,7 +248,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     if params.get_as_int("warm_start", 1):  # checked by create_backend
-        warm_server.start_for_workers()  # importing torch now, while the first round forms
+        warm_server.start_for_workers()  # torch imported before this node joins: a running job trains on meanwhile
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:

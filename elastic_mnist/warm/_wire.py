@@ -19,8 +19,7 @@ import struct
 
 from elastic_mnist import procs
 
-ADDRESS_ENV = "ELASTIC_MNIST_WARM"
-"""Set by the agent for the workers it starts: where its warm process listens."""
+ADDRESS_ENV = procs.WARM_ADDRESS_ENV
 STARTED_ENV = procs.STARTED_AT_ENV
 STDIO = (0, 1, 2)
 _LEN = struct.Struct("!I")

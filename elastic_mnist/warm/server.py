@@ -27,6 +27,8 @@ from elastic_mnist.warm.child import Job
 
 BASE_PRELOAD = ("torch",)
 READY_TIMEOUT_S = 10.0
+WARM_TIMEOUT_S = 120.0
+LISTENING, WARM = b"1", b"2"  # what the warm process writes to its --ready-fd, in this order
 REQUEST_TIMEOUT_S = 10.0
 
 
@@ -139,10 +141,11 @@ def _close(fds: list[int], conn: socket.socket) -> None:
     conn.close()
 
 
-def start_for_workers(environ=os.environ) -> subprocess.Popen | None:
-    """In the torchrun agent: start its warm process and point the workers it starts at it, once it
-    listens (a few ms; it imports torch after that). It dies with the agent (parent-death signal, and it
-    watches the agent's pidfd). None where it cannot start: the workers then start cold."""
+def start_for_workers(environ=os.environ, warm_timeout_s: float = WARM_TIMEOUT_S) -> subprocess.Popen | None:
+    """In the torchrun agent: start its warm process and point the workers it starts at it. Returns once
+    it has imported torch (at most `warm_timeout_s`), so that a node joining a running job joins warm: the
+    job trains on while this node imports, instead of stopping for it. It dies with the agent
+    (parent-death signal, and it watches the agent's pidfd). None where it cannot start: workers start cold."""
     if not hasattr(os, "pidfd_open"):
         return None
     address = _wire.new_address()
@@ -152,16 +155,24 @@ def start_for_workers(environ=os.environ) -> subprocess.Popen | None:
                                  "--address", address, "--ready-fd", str(ready_w)], stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=procs.die_with_parent_preexec(), pass_fds=[ready_w])
         os.close(ready_w)
-        readable, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
-        listening = bool(readable) and os.read(ready_r, 1) == b"1"
+        listening = _read_mark(ready_r, READY_TIMEOUT_S) == LISTENING
+        warm = listening and _read_mark(ready_r, warm_timeout_s) == WARM
     finally:
         os.close(ready_r)
     atexit.register(_stop, proc)
     if not listening:
         print("elastic-mnist warm start: the warm process did not start; workers start cold", file=sys.stderr)
         return None
+    if not warm:  # still importing (a slow disk): the first workers wait for it, later ones start warm
+        print(f"elastic-mnist warm start: torch not imported after {warm_timeout_s:.0f} s; going on",
+              file=sys.stderr)
     environ[_wire.ADDRESS_ENV] = address
     return proc
+
+
+def _read_mark(fd: int, timeout_s: float) -> bytes:
+    readable, _, _ = select.select([fd], [], [], timeout_s)
+    return os.read(fd, 1) if readable else b""
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m elastic_mnist.warm.server")
     parser.add_argument("--agent", type=int, required=True, help="the torchrun agent's pid: end when it ends")
     parser.add_argument("--address", required=True, help="the abstract socket to listen on (@NAME)")
-    parser.add_argument("--ready-fd", type=int, default=-1, help="write 1 to this fd once listening")
+    parser.add_argument("--ready-fd", type=int, default=-1, help="write 1 to this fd once listening, 2 once warm")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the agent's to handle; we end with it
     try:
@@ -181,9 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     except ProcessLookupError:
         return  # the agent is gone already
     if args.ready_fd >= 0:
-        os.write(args.ready_fd, b"1")
-        os.close(args.ready_fd)
+        os.write(args.ready_fd, LISTENING)
     server._import(BASE_PRELOAD)
+    if args.ready_fd >= 0:
+        os.write(args.ready_fd, WARM)
+        os.close(args.ready_fd)
     job = server.serve()
     if job is not None:
         job.run()  # in the forked child only: the worker, from its own __main__

@@ -101,6 +101,7 @@ def test_kill_a_node(small_mnist, tmp_path):
     assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("kill", 2, 1)
     assert event["steps_redone"] <= 10, "at most the checkpoint interval"
     assert event["recovery_s"] < 30
+    assert event["breakdown"]["imports_s"] < 0.5, "the survivor's new worker is a fork of its warm process"
     assert_replays_plan(tmp_path, 90)
 
 
