@@ -143,3 +143,25 @@ def test_the_server_ends_with_its_agent():
         os.close(ready_r)
         server.kill()
         server.wait()
+
+
+def test_a_node_waits_for_its_import_only_when_it_joins_a_running_job():
+    """Joining a running round: import first (the job trains on). A job starting from no node (no state,
+    an open round, or a round whose members all stopped beating): import beside the rendezvous."""
+    import pickle
+    from datetime import datetime, timedelta, timezone
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from elastic_mnist.rendezvous.etcd_v3 import _joins_a_running_job
+
+    def state(complete: bool, beat_age_s: float) -> tuple[bytes, object]:
+        s, node = _RendezvousState(), _NodeDesc("n0", 1, 0)
+        s.complete, s.participants = complete, {node: 0}
+        s.last_heartbeats = {node: datetime.now(timezone.utc) - timedelta(seconds=beat_age_s)}
+        return pickle.dumps(s), 0
+
+    assert _joins_a_running_job(state(True, 1.0))
+    assert not _joins_a_running_job(None)
+    assert not _joins_a_running_job(state(False, 1.0))
+    assert not _joins_a_running_job(state(True, 600.0))

@@ -47,6 +47,7 @@ import os
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed import Store
@@ -69,7 +70,13 @@ from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._replay import ReplayGuard
 from elastic_mnist.rendezvous._settings import EtcdV3Settings, parse_settings
-from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, seal_state, unseal_state
+from elastic_mnist.rendezvous._state import (
+    ALLOWED_CLASSES,
+    StateIntegrityError,
+    decode_state,
+    seal_state,
+    unseal_state,
+)
 from elastic_mnist.rendezvous.conf import (
     BACKEND_NAME,
     DEFAULT_KEY_PREFIX,
@@ -206,6 +213,21 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._checked(value, meta), int(meta.mod_revision), bool(succeeded)
 
 
+def _joins_a_running_job(state: tuple[bytes, Any] | None, fresh_s: float = 30.0) -> bool:
+    """A complete, open round one of whose participants beat within `fresh_s` (by its own clock and ours:
+    a clock far off only costs this node's import running before its join or beside it)."""
+    if state is None:
+        return False
+    try:
+        round_ = decode_state(state[0])
+    except Exception:  # noqa: BLE001 - unreadable here is refused by the handler itself, with its message
+        return False
+    now = datetime.now(timezone.utc)
+    return round_.complete and not round_.closed and any(
+        abs((now - beat).total_seconds()) < fresh_s
+        for node, beat in round_.last_heartbeats.items() if node in round_.participants)
+
+
 def with_tuned_defaults(params: RendezvousParameters) -> RendezvousParameters:
     """A copy of params where every key of RDZV_CONF["etcd-v3"] that the user did not give is filled in."""
     config = {**RDZV_CONF[BACKEND_NAME], **params.config}
@@ -244,11 +266,14 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     except UserError as exc:
         report(exc)
         raise
-    exit_if_closed(params.run_id, backend.get_state(), store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
+    state = backend.get_state()
+    exit_if_closed(params.run_id, state, store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     if params.get_as_int("warm_start", 1):  # checked by create_backend
-        warm_server.start_for_workers()  # torch imported before this node joins: a running job trains on meanwhile
+        # Joining a running job: import torch before joining, so the job trains on meanwhile instead of
+        # waiting for this node's import. A job (re)starting from no node: import while the round forms.
+        warm_server.start_for_workers(wait_warm=_joins_a_running_job(state))
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.liveness is not None:

@@ -141,11 +141,11 @@ def _close(fds: list[int], conn: socket.socket) -> None:
     conn.close()
 
 
-def start_for_workers(environ=os.environ, warm_timeout_s: float = WARM_TIMEOUT_S) -> subprocess.Popen | None:
-    """In the torchrun agent: start its warm process and point the workers it starts at it. Returns once
-    it has imported torch (at most `warm_timeout_s`), so that a node joining a running job joins warm: the
-    job trains on while this node imports, instead of stopping for it. It dies with the agent
-    (parent-death signal, and it watches the agent's pidfd). None where it cannot start: workers start cold."""
+def start_for_workers(environ=os.environ, wait_warm: bool = True) -> subprocess.Popen | None:
+    """In the torchrun agent: start its warm process and point the workers it starts at it, once it
+    listens; with `wait_warm`, once it has imported torch too (at most WARM_TIMEOUT_S). It dies with the
+    agent (parent-death signal, and it watches the agent's pidfd). None where it cannot start: workers
+    start cold."""
     if not hasattr(os, "pidfd_open"):
         return None
     address = _wire.new_address()
@@ -156,7 +156,7 @@ def start_for_workers(environ=os.environ, warm_timeout_s: float = WARM_TIMEOUT_S
                                 start_new_session=True, preexec_fn=procs.die_with_parent_preexec(), pass_fds=[ready_w])
         os.close(ready_w)
         listening = _read_mark(ready_r, READY_TIMEOUT_S) == LISTENING
-        warm = listening and _read_mark(ready_r, warm_timeout_s) == WARM
+        warm = listening and (not wait_warm or _read_mark(ready_r, WARM_TIMEOUT_S) == WARM)
     finally:
         os.close(ready_r)
     atexit.register(_stop, proc)
@@ -164,7 +164,7 @@ def start_for_workers(environ=os.environ, warm_timeout_s: float = WARM_TIMEOUT_S
         print("elastic-mnist warm start: the warm process did not start; workers start cold", file=sys.stderr)
         return None
     if not warm:  # still importing (a slow disk): the first workers wait for it, later ones start warm
-        print(f"elastic-mnist warm start: torch not imported after {warm_timeout_s:.0f} s; going on",
+        print(f"elastic-mnist warm start: torch not imported after {WARM_TIMEOUT_S:.0f} s; going on",
               file=sys.stderr)
     environ[_wire.ADDRESS_ENV] = address
     return proc
@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         os.write(args.ready_fd, LISTENING)
     server._import(BASE_PRELOAD)
     if args.ready_fd >= 0:
-        os.write(args.ready_fd, WARM)
+        try:
+            os.write(args.ready_fd, WARM)
+        except BrokenPipeError:
+            pass  # the agent did not wait for this one (a job starting from no node)
         os.close(args.ready_fd)
     job = server.serve()
     if job is not None:

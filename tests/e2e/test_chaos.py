@@ -120,7 +120,7 @@ def test_frozen_node_is_dropped_then_rejoins(small_mnist, tmp_path):
                        timeout=300)
     stop, cont = report["events"]
     assert (stop["kind"], stop["world_size_before"], stop["world_size_after"]) == ("stop", 2, 1)
-    assert stop["recovery_s"] < 10 + 20, "noticed within the collective timeout (10 s) plus a restart"
+    assert stop["recovery_s"] < 8, "its agent does not answer the late heartbeat's probe: seconds, not the timeout"
     assert (cont["kind"], cont["world_size_after"], cont["steps_redone"]) == ("cont", 2, 0), "rejoins, none redone"
     assert_replays_plan(tmp_path, 160)
 

@@ -44,7 +44,8 @@ def test_a_host_that_vanishes_is_dropped(small_mnist, tmp_path):
     report = on_hosts(small_mnist, tmp_path, "vanish:n1@step=25")
     (event,) = report["events"]
     assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("vanish", 2, 1)
-    assert event["steps_redone"] <= 1 and event["recovery_s"] < 20
+    # the bound is 4 s at the p50 of 3 (python -m bench --network-only); one run on a shared CI machine: twice that
+    assert event["steps_redone"] <= 1 and event["recovery_s"] < 8
     assert_replays_plan(tmp_path, 90)
 
 
@@ -53,7 +54,7 @@ def test_the_rank0_host_of_three_vanishes(small_mnist, tmp_path):
     report = on_hosts(small_mnist, tmp_path, "vanish:rank0@step=25", nodes=3)
     (event,) = report["events"]
     assert (event["world_size_before"], event["world_size_after"]) == (3, 2)
-    assert event["steps_redone"] <= 1 and event["recovery_s"] < 25
+    assert event["steps_redone"] <= 1 and event["recovery_s"] < 8, "4 s at the p50, twice that for one run"
     assert_replays_plan(tmp_path, 90)
 
 
