@@ -190,7 +190,9 @@ def test_kill_join_term_matches_the_fault_free_run(mnist_root, tmp_path):
     """Issue 4's result: with kill, join and term the run ends within 0.3 pp of the fault-free accuracy,
     and every step trained on the planned global batch."""
     root, real = mnist_root
-    common = ("--data-dir", root, "--max-steps", "300", "--min-step-time", "0.02", "--log-every", "50",
+    # Paced so the join completes inside the run: a joining node imports torch before it joins, while the
+    # job trains on, and the term waits for the join's recovery.
+    common = ("--data-dir", root, "--max-steps", "300", "--min-step-time", "0.05", "--log-every", "50",
               "--global-batch-size", "128")
     clean = subprocess.run([sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--run-dir",
                             str(tmp_path / "clean"), *common], capture_output=True, text=True, timeout=300,
