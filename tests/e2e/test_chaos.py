@@ -53,8 +53,9 @@ def assert_replays_plan(run_dir, steps: int) -> None:
     A rank writes its record after the step's gradient all-reduce, which cannot finish on any rank
     without every rank's gradients: one record of (step, world) proves the whole group trained that
     step. The ranks' records are all there except where a rank was killed or frozen between the
-    all-reduce and its write; so such a gap is allowed only next to a kill, a freeze or a vanished host
-    (report events)."""
+    all-reduce and its write, or cut off in the middle of it (the all-reduce's last messages reached one
+    rank, not the others); so such a gap is allowed only next to a kill, a freeze, a vanished host or a
+    cut link (report events)."""
     plan = BatchPlan(2000, BATCH, seed=0)
     ranks_at: dict[tuple[int, int], set] = {}
     for r in read_records(str(run_dir / "samples")):
@@ -64,7 +65,7 @@ def assert_replays_plan(run_dir, steps: int) -> None:
     complete = {step for (step, world), ranks in ranks_at.items() if ranks == set(range(world))}
     partial = {step for (step, _world) in ranks_at} - complete
     faults = [e["at_step"] for e in json.loads((run_dir / "report.json").read_text())["events"]
-              if e["kind"] in ("kill", "stop", "vanish")]
+              if e["kind"] in ("kill", "stop", "vanish", "cut", "down")]
     # at_step is the launcher's last view before it signalled: the fault lands there or a step or two on
     unexplained = {s for s in partial if not any(at - 1 <= s <= at + 2 for at in faults)}
     assert not unexplained, f"steps only part of a group recorded, away from any kill: {sorted(unexplained)}"
