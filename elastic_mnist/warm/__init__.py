@@ -11,7 +11,7 @@ child's exit status as its own, and when it is killed the child dies with it. No
 the stand-in must start in milliseconds. Your own script opts in with two lines before `import torch`:
 
     from elastic_mnist.warm import handoff
-    handoff()
+    handoff(preload=("torch", "elastic_mnist.train"))
 """
 
 from elastic_mnist.warm.handoff import handoff
