@@ -71,6 +71,9 @@ class Server:
             conn.close()
             return None
         refused = self._refusal(request)
+        if not refused:
+            self._import(request.get("preload", []))  # once per node: later children find them imported
+            refused = _cuda_refusal()
         if refused or _gone(conn):
             _wire.send_line(conn, {"refused": refused or "gone"})
             _close(fds, conn)
@@ -91,10 +94,6 @@ class Server:
         if request.get("exe") != sys.executable or request.get("version") != sys.version:
             return (f"the worker runs {request.get('exe')}, the agent's warm process {sys.executable}: "
                     "start torchrun with the workers' interpreter")
-        self._import(request.get("preload", []))
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            return "CUDA was initialised in the warm process (a forked child could not use it)"
         return ""
 
     def _import(self, names) -> None:
@@ -122,6 +121,13 @@ class Server:
         for pidfd, (_, conn) in self.children.items():
             _close([pidfd], conn)
         self.children.clear()
+
+
+def _cuda_refusal() -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised in the warm process (a forked child could not use it)"
+    return ""
 
 
 def _gone(conn: socket.socket) -> bool:
