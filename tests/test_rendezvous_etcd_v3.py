@@ -460,3 +460,72 @@ def test_an_agent_ended_by_sigterm_leaves_without_the_heartbeat_window(etcd_serv
     finally:
         b.kill()
         b.wait()
+
+
+AGENT_INTERRUPTED = """
+import sys, threading
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from elastic_mnist import procs
+params = RendezvousParameters("etcd-v3", sys.argv[1], sys.argv[2], 2, 2, local_addr="127.0.0.1",
+                              keep_alive_interval=1, keep_alive_max_attempt=30, join_timeout=120, warm_start=0)
+handler = get_rendezvous_handler(params)
+info = handler.next_rendezvous()
+print(info.rank, info.world_size, flush=True)
+sys.stdin.readline()
+
+def grpc_frame(frame):
+    return frame is not None and frame.f_code.co_filename.endswith("grpc/_channel.py")
+
+def interrupt(frame, event, arg):  # torchrun's SIGTERM handler raising as gRPC releases its channel's lock
+    if event == "call" and frame.f_code.co_name == "__exit__" and grpc_frame(frame.f_back):
+        sys.settrace(None)
+        raise SignalException("Process got signal: 15", sigval=15)
+    return None
+
+def beat_stuck():
+    beats = [t for t in threading.enumerate() if t.name.startswith("RendezvousKeepAliveTimer")]
+    frames = [sys._current_frames().get(t.ident) for t in beats]
+    return any(f is not None and f.f_code.co_name == "__enter__" and grpc_frame(f.f_back) for f in frames)
+
+sys.settrace(interrupt)
+try:
+    handler.num_nodes_waiting()  # the monitor loop's poll
+finally:
+    sys.settrace(None)
+    procs.wait_for(beat_stuck, 10, "the keep-alive thread blocked on the lock the signal left held")
+    print("stuck", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_agent_signalled_inside_a_grpc_call_still_exits_and_leaves(etcd_server_v3only: EtcdServer) -> None:  # noqa: F811
+    """The signal's exception leaves the channel's lock held and the keep-alive thread blocked on it for
+    good; the exit is still bounded, and the leave still happens (over a new channel): the survivor
+    re-forms in seconds, not after the 30 s heartbeat window."""
+    from elastic_mnist.rendezvous._leave import EXIT_WAIT_S
+
+    server, run_id = etcd_server_v3only, "interrupted-leaves"
+    b = subprocess.Popen([sys.executable, "-c", AGENT_INTERRUPTED, server.endpoint, run_id], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for_state(server, run_id, lambda state: len(state.participants) == 1)
+        slow = {"keep_alive_interval": 5, "keep_alive_max_attempt": 6, "last_call_timeout": 60, "join_timeout": 120}
+        a = get_rendezvous_handler(rdzv_params(server.endpoint, run_id, 1, 2, **slow))
+        assert a.next_rendezvous().world_size == 2
+        assert b.stdout.readline().split()[1] == "2"
+        b.stdin.write("go\n")
+        b.stdin.flush()
+        assert b.stdout.readline() == "stuck\n", b.stderr.read()
+        stuck_at = time.monotonic()
+        assert b.wait(timeout=EXIT_WAIT_S + 10) == 1
+        assert time.monotonic() - stuck_at < EXIT_WAIT_S + 2
+        started = time.monotonic()
+        info = a.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert time.monotonic() - started < 5, "the survivor waited out the heartbeat window: no leave"
+        a.shutdown()
+    finally:
+        b.kill()
+        b.wait()

@@ -170,6 +170,13 @@ class EtcdV3Client:
                 self._client = None
                 self._retired.append(client)
 
+    def fresh_channel(self) -> None:
+        """The next call connects anew; the current channel is closed at close() (others may use it)."""
+        with self._lock:
+            if self._client is not None:
+                self._retired.append(self._client)
+                self._client = None
+
     def answered_within(self, seconds: float) -> bool:
         """Did etcd answer this client in the last `seconds`?"""
         return self._answered is not None and time.monotonic() - self._answered < seconds

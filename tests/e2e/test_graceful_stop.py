@@ -66,6 +66,9 @@ def _trial(tmp_path, data: str, endpoint: str, how: str) -> None:
         failures = [e["event"] for e in read_records(str(job.tmp / "runs" / "events"))
                     if e["event"] in ("peer_lost", "collective_failed", "saved_by_watch")]
         assert failures == [], f"a stop, not a collective failure\n{job.logs()}"
+    except (TimeoutError, subprocess.TimeoutExpired):
+        print(job.logs())  # what each node was doing when the wait ran out (pytest shows it on failure)
+        raise
     finally:
         job.kill_all()
 
