@@ -223,6 +223,12 @@ class PeerLiveness:
         ours = self._beacon is not None and address.rpartition(":")[0] == self._beacon.address.rpartition(":")[0]
         return (None if loopback or ours else address), decode(report)
 
+    def answering(self, nodes: Iterable[str], timeout: float = PROBE_TIMEOUT_S) -> set[str]:
+        """Of `nodes` (this round's peers), those whose agent's beacon answered within `timeout`."""
+        spoke: set[str] = set()
+        probe({n: self._peers[n] for n in nodes if n in self._peers}, timeout, read_byte=spoke)
+        return spoke
+
     def others_reach_etcd(self, timeout: float = PROBE_TIMEOUT_S) -> bool:
         """Does any other agent of the job (as last listed) answer that it reaches etcd? Asked while this
         one cannot: then etcd is not away, this host is cut off from it."""

@@ -70,6 +70,7 @@ from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._replay import ReplayGuard
 from elastic_mnist.rendezvous._settings import EtcdV3Settings, parse_settings
+from elastic_mnist.rendezvous._shrink import restart_when_the_round_shrinks
 from elastic_mnist.rendezvous._state import (
     ALLOWED_CLASSES,
     StateIntegrityError,
@@ -276,6 +277,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         warm_server.start_for_workers(wait_warm=_joins_a_running_job(state))
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
+    restart_when_the_round_shrinks(handler, lambda: backend.view.read if backend.view else None,
+                                   backend.liveness)
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(compat.handler_node(handler)))

@@ -1,0 +1,69 @@
+"""A round that loses a member has its workers restarted by every agent still in it.
+
+    torchrun --rdzv-backend=etcd-v3 ...    # applied by create_rdzv_handler; nothing to configure
+
+torch's agent restarts its workers when one of them fails or when a node waits to join (its monitor loop
+polls `num_nodes_waiting`). A member that leaves a complete round is neither: a preempted agent taking
+itself out at exit (_leave.py), or a killed one dropped once its heartbeat is older than the keep-alive
+window. Once the workers train, their own heartbeat notices within a second (worker/control.py). While
+they are still starting (a GPU job's CUDA and NCCL set-up, seconds), nothing does: they form the process
+group for a rank that never comes, until --connect-timeout. So each agent remembers how many members its
+round had when it formed, and counts a member missing from that same round like a node waiting to join.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.rendezvous._liveness import PeerLiveness
+
+# (round, complete and open, members) of the state as last read from etcd
+Members = Callable[[], "tuple[int, bool, frozenset[str]] | None"]
+
+
+class ShrinkWatch:
+    """Counts the members written in etcd, not torch's sanitized copy of them. torch also drops a live node
+    whose heartbeat is a moment past the window (a loaded host), and writes that back: a member whose
+    agent still answers its beacon is such a one, and its workers train on with ours, as before."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, members: Members, liveness: PeerLiveness | None) -> None:
+        self._members, self._liveness = members, liveness
+        self._formed: tuple[int, frozenset[str]] | None = None  # this node's last completed round
+        self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
+
+    def next_rendezvous(self):
+        info = self._next_rendezvous()
+        read = self._members()
+        self._formed = (read[0], read[2]) if read is not None and read[1] else None
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        waiting = self._num_nodes_waiting()  # torch's: reads the state first
+        read = self._members()
+        if waiting or self._formed is None or read is None or not read[1] or read[0] != self._formed[0]:
+            return waiting
+        if self._liveness is None:  # peer_probe=0: no beacon tells a late heartbeat from a lost node
+            return waiting
+        round_, formed = self._formed
+        missing = set(formed - read[2]) - {self._liveness.own}  # us dropped while alive: we train on
+        if missing:
+            alive = self._liveness.answering(missing)
+            self._formed = (round_, formed - alive - {self._liveness.own})  # not asked again this round
+            missing -= alive
+        if not missing:
+            return waiting
+        self._formed = None  # said once; the restart forms a new round
+        print(f"elastic-mnist etcd-v3: round {round_} lost {', '.join(sorted(missing))} ({len(missing)} of its "
+              f"{len(formed)} nodes); restarting this node's workers to form the next round (torch logs it as "
+              "a new node)", file=sys.stderr, flush=True)
+        return 1
+
+
+def restart_when_the_round_shrinks(handler: DynamicRendezvousHandler, members: Members,
+                                   liveness: PeerLiveness | None) -> None:
+    """Wrap the handler's two methods torch's agent calls (an instance's own attributes win)."""
+    watch = ShrinkWatch(handler, members, liveness)
+    handler.next_rendezvous = watch.next_rendezvous  # type: ignore[method-assign]
+    handler.num_nodes_waiting = watch.num_nodes_waiting  # type: ignore[method-assign]
