@@ -4,7 +4,11 @@ whether its peers wait in the data collective (gradient all-reduce) or in the pe
 Real etcd, two real torchrun nodes on gloo; the peer stops itself (SIGSTOP) at an exact step and place
 (ELASTIC_MNIST_FAULT), so the survivor is blocked where a gloo send would otherwise wait for its full
 60 s timeout. The survivor's peer watch saves the last completed step and exits for torchrun to restart
-it; the test then kills the frozen worker, as the machine's loss would, and the job finishes.
+it; the test then kills the frozen worker, its agent starts a new one, and the job finishes. Both nodes
+are required (min nodes 2), so the pair has formed before the fault step: a node that trained alone past
+it would leave rank 1 nothing to fire at.
+
+    flock /tmp/em-heavy.lock pytest -q tests/e2e/test_peer_loss.py
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def _frozen_worker(job: Job) -> int:
 @pytest.mark.parametrize("at", ["data", "control"])
 def test_frozen_peer_is_seen_in_seconds_and_nothing_is_lost(tmp_path, small_mnist, etcd_server_v3only, at):
     job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", MAX_STEPS, "--global-batch-size=64",
-              f"--peer-timeout={PEER_TIMEOUT}", min_nodes=1,
+              f"--peer-timeout={PEER_TIMEOUT}",
               env={"ELASTIC_MNIST_FAULT": f"stop:rank=1:step={FAULT_STEP}:at={at}"})
     try:
         job.start()
