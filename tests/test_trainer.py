@@ -8,18 +8,19 @@ from trainers import in_process_trainer
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import Split
+from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.worker.control import StopRequest
 from elastic_mnist.worker.trainer import Trainer
 
 
-def _trainer(tmp_path, stop: StopRequest | None = None) -> Trainer:
+def _trainer(tmp_path, stop: StopRequest | None = None, log_every: int = 1000) -> Trainer:
     gen = torch.Generator().manual_seed(0)
     train = Split(torch.randn(640, 784, generator=gen), torch.randint(0, 10, (640,), generator=gen))
     test = Split(torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen))
     config = TrainConfig(global_batch_size=32, max_steps=40, checkpoint_every=5, log_dir=str(tmp_path / "runs"),
-                         checkpoint_dir=str(tmp_path / "ckpt"), log_every=1000, keep_checkpoints=10)
+                         checkpoint_dir=str(tmp_path / "ckpt"), log_every=log_every, keep_checkpoints=10)
     return in_process_trainer(config, train, test, stop=stop)
 
 
@@ -53,6 +54,14 @@ def test_a_superseded_group_stops_without_writing(tmp_path):
     assert trainer.superseded and trainer.stopped_early
     assert trainer.progress.step == 11, "stops one step after the save point that found the newer group"
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "ckpt"))] == [5]
+
+
+def test_progress_says_warming_up_until_a_rate_is_measured_and_never_reports_zero(tmp_path, capsys):
+    _trainer(tmp_path, log_every=2).train()
+    rates = [e["samples_per_s"] for e in read_records(str(tmp_path / "runs" / "events")) if e["event"] == "progress"]
+    assert rates[:2] == [None, None] and all(r > 0 for r in rates[2:]) and len(rates) == 20
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train]")]
+    assert lines[0].endswith("samples/s (warming up)") and not lines[-1].endswith("samples/s 0")
 
 
 def test_generation_claims(tmp_path):

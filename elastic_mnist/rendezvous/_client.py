@@ -172,10 +172,9 @@ class EtcdV3Client:
 
     def fresh_channel(self) -> None:
         """The next call connects anew; the current channel is closed at close() (others may use it)."""
-        with self._lock:
-            if self._client is not None:
-                self._retired.append(self._client)
-                self._client = None
+        client = self._client
+        if client is not None:  # one swapped in since by another thread is fresh already
+            self._drop(client)
 
     def answered_within(self, seconds: float) -> bool:
         """Did etcd answer this client in the last `seconds`?"""

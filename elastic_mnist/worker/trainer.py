@@ -150,13 +150,15 @@ class Trainer:
         self.metrics.scalars(self.progress.step, {"elastic/start_to_first_step_s": age})
 
     def _log_progress(self, step: int, epoch: int, loss: float) -> None:
-        rate = self.throughput.rate()
+        rate = self.throughput.rate() or None  # None in the first steps after a start (the warm-up)
         self.metrics.event(
             "progress", f"[train] epoch {epoch + 1}/{self.config.epochs} step {step}/{self.total_steps} "
-            f"loss {loss:.4f} world {self.world_size} restart {self.env.restart_count} samples/s {rate:.0f}",
+            f"loss {loss:.4f} world {self.world_size} restart {self.env.restart_count} "
+            f"samples/s {'(warming up)' if rate is None else f'{rate:.0f}'}",
             step=step, epoch=epoch, loss=loss, samples_per_s=rate)
         self.metrics.scalars(step, {
-            "train/loss": loss, "train/lr": self.optimizer.param_groups[0]["lr"], "train/samples_per_s": rate,
+            "train/loss": loss, "train/lr": self.optimizer.param_groups[0]["lr"],
+            **({} if rate is None else {"train/samples_per_s": rate}),
             "elastic/world_size": self.world_size, "elastic/restarts": self.env.restart_count})
 
     def _pace(self, t0: float) -> None:
