@@ -44,11 +44,11 @@ if TYPE_CHECKING:
 
 
 def rdzv_params(endpoint: str, run_id: str | None = None, min_nodes: int = 1, max_nodes: int = 1,
-                **conf: Any) -> RendezvousParameters:
+                local_addr: str = "127.0.0.1", **conf: Any) -> RendezvousParameters:
     """--rdzv-backend=etcd-v3 parameters; timeout=900 because torchrun's LaunchConfig always adds it. No
     warm process (warm_start=0) unless asked: these handlers start no workers (tests/test_warm.py)."""
     return RendezvousParameters("etcd-v3", endpoint, run_id or f"t-{uuid.uuid4().hex[:8]}", min_nodes, max_nodes,
-                                local_addr="127.0.0.1", timeout=900, **{"warm_start": 0, **conf})
+                                local_addr=local_addr, timeout=900, **{"warm_start": 0, **conf})
 
 
 def state_bits(round_: int = 0) -> bytes:

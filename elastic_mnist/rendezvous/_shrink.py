@@ -9,18 +9,29 @@ window. Once the workers train, their own heartbeat notices within a second (wor
 they are still starting (a GPU job's CUDA and NCCL set-up, seconds), nothing does: they form the process
 group for a rank that never comes, until --connect-timeout. So each agent remembers how many members its
 round had when it formed, and counts a member missing from that same round like a node waiting to join.
+
+The same loss can come a moment earlier: rank 0's agent gone (killed, or its SIGTERM raised there) after
+the round completed but before it wrote the round's master address to the store. torch's other agents
+wait for that key up to the store's timeout (300 s) and then fail, ending the node. Here the wait is
+bounded by twice the heartbeat window (at least 10 s; rank 0 writes it a moment after the round completes),
+and a node whose wait runs out leaves that round and joins the next, as a restart would.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed import DistStoreError, Store
 
 from elastic_mnist._torch_compat import DynamicRendezvousHandler
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 
 # (round, complete and open, members) of the state as last read from etcd
 Members = Callable[[], "tuple[int, bool, frozenset[str]] | None"]
+ADDRESS_WAIT_MIN = timedelta(seconds=10)
+ADDRESS_ATTEMPTS = 3  # rounds whose rank 0 never wrote its address before torch's error is let through
 
 
 class ShrinkWatch:
@@ -28,16 +39,38 @@ class ShrinkWatch:
     whose heartbeat is a moment past the window (a loaded host), and writes that back: a member whose
     agent still answers its beacon is such a one, and its workers train on with ours, as before."""
 
-    def __init__(self, handler: DynamicRendezvousHandler, members: Members, liveness: PeerLiveness | None) -> None:
-        self._members, self._liveness = members, liveness
+    def __init__(self, handler: DynamicRendezvousHandler, members: Members, liveness: PeerLiveness | None,
+                 store: Store | None = None, address_wait: timedelta = ADDRESS_WAIT_MIN) -> None:
+        self._members, self._liveness, self._store, self._address_wait = members, liveness, store, address_wait
         self._formed: tuple[int, frozenset[str]] | None = None  # this node's last completed round
         self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
 
     def next_rendezvous(self):
-        info = self._next_rendezvous()
+        for attempt in range(1, ADDRESS_ATTEMPTS + 1):
+            try:
+                info = self._join()
+                break
+            except DistStoreError as exc:  # only our store's wait for rank 0's address raises it in there
+                if attempt == ADDRESS_ATTEMPTS:
+                    raise
+                print(f"elastic-mnist etcd-v3: rank 0 of the round just formed did not write its address within "
+                      f"{self._address_wait.total_seconds():.0f}s (its agent left or died as the round formed: "
+                      f"{exc}); joining the next round", file=sys.stderr, flush=True)
         read = self._members()
         self._formed = (read[0], read[2]) if read is not None and read[1] else None
         return info
+
+    def _join(self):
+        """torch's next_rendezvous, its store wait bounded: the store's only wait in there is for rank 0's
+        MASTER_ADDR/MASTER_PORT (RendezvousStoreInfo.build); the agent's later waits keep their timeout."""
+        if self._store is None:
+            return self._next_rendezvous()
+        timeout = self._store.timeout
+        self._store.set_timeout(self._address_wait)
+        try:
+            return self._next_rendezvous()
+        finally:
+            self._store.set_timeout(timeout)
 
     def num_nodes_waiting(self) -> int:
         waiting = self._num_nodes_waiting()  # torch's: reads the state first
@@ -62,8 +95,8 @@ class ShrinkWatch:
 
 
 def restart_when_the_round_shrinks(handler: DynamicRendezvousHandler, members: Members,
-                                   liveness: PeerLiveness | None) -> None:
+                                   liveness: PeerLiveness | None, store: Store, window: timedelta) -> None:
     """Wrap the handler's two methods torch's agent calls (an instance's own attributes win)."""
-    watch = ShrinkWatch(handler, members, liveness)
+    watch = ShrinkWatch(handler, members, liveness, store, max(2 * window, ADDRESS_WAIT_MIN))
     handler.next_rendezvous = watch.next_rendezvous  # type: ignore[method-assign]
     handler.num_nodes_waiting = watch.num_nodes_waiting  # type: ignore[method-assign]
