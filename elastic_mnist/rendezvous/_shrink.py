@@ -27,6 +27,7 @@ from torch.distributed import DistStoreError, Store
 
 from elastic_mnist._torch_compat import DynamicRendezvousHandler
 from elastic_mnist.rendezvous._liveness import PeerLiveness
+from elastic_mnist.rendezvous._prompt import RoundView
 
 # (round, complete and open, members) of the state as last read from etcd
 Members = Callable[[], "tuple[int, bool, frozenset[str]] | None"]
@@ -40,7 +41,7 @@ class ShrinkWatch:
     agent still answers its beacon is such a one, and its workers train on with ours, as before."""
 
     def __init__(self, handler: DynamicRendezvousHandler, members: Members, liveness: PeerLiveness | None,
-                 store: Store | None = None, address_wait: timedelta = ADDRESS_WAIT_MIN) -> None:
+                 store: Store, address_wait: timedelta = ADDRESS_WAIT_MIN) -> None:
         self._members, self._liveness, self._store, self._address_wait = members, liveness, store, address_wait
         self._formed: tuple[int, frozenset[str]] | None = None  # this node's last completed round
         self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
@@ -63,8 +64,6 @@ class ShrinkWatch:
     def _join(self):
         """torch's next_rendezvous, its store wait bounded: the store's only wait in there is for rank 0's
         MASTER_ADDR/MASTER_PORT (RendezvousStoreInfo.build); the agent's later waits keep their timeout."""
-        if self._store is None:
-            return self._next_rendezvous()
         timeout = self._store.timeout
         self._store.set_timeout(self._address_wait)
         try:
@@ -94,9 +93,8 @@ class ShrinkWatch:
         return 1
 
 
-def restart_when_the_round_shrinks(handler: DynamicRendezvousHandler, members: Members,
-                                   liveness: PeerLiveness | None, store: Store, window: timedelta) -> None:
+def restart_when_the_round_shrinks(handler: DynamicRendezvousHandler, view: RoundView, store: Store) -> None:
     """Wrap the handler's two methods torch's agent calls (an instance's own attributes win)."""
-    watch = ShrinkWatch(handler, members, liveness, store, max(2 * window, ADDRESS_WAIT_MIN))
+    watch = ShrinkWatch(handler, lambda: view.read, view.liveness, store, max(2 * view.window, ADDRESS_WAIT_MIN))
     handler.next_rendezvous = watch.next_rendezvous  # type: ignore[method-assign]
     handler.num_nodes_waiting = watch.num_nodes_waiting  # type: ignore[method-assign]

@@ -47,7 +47,7 @@ import os
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed import Store
@@ -277,9 +277,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         warm_server.start_for_workers(wait_warm=_joins_a_running_job(state))
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
-    view = backend.view
-    restart_when_the_round_shrinks(handler, lambda: view.read if view else None, backend.liveness, store,
-                                   view.window if view else timedelta(0))
+    if backend.view is not None:  # always, as create_backend builds it
+        restart_when_the_round_shrinks(handler, backend.view, store)
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(compat.handler_node(handler)))
