@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import threading
 from collections.abc import Iterable
@@ -22,6 +23,11 @@ Data = Chunk | str | Iterable[Chunk]  # text is UTF-8 encoded; an iterable is wr
 # Errors by which a filesystem says "not supported here" (some FUSE filesystems answer EIO).
 UNSUPPORTED = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EIO, errno.ENOSYS, errno.EMLINK,
                errno.EINVAL, errno.EXDEV}
+
+
+# What write_temp names a temp file: hidden, the final name, then pid, thread id and a random part. Only
+# names of this form are ever swept as a dead writer's leftovers.
+TEMP_NAME = re.compile(r"^\.[^/]+\.tmp-\d+-\d+-[0-9a-f]{8}$")
 
 
 def _chunks(data: Data) -> Iterable[Chunk]:

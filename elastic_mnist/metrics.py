@@ -12,8 +12,36 @@ import sys
 import time
 
 from elastic_mnist import procs
+from elastic_mnist.errors import UserError
 from elastic_mnist.files import atomic_write
 from elastic_mnist.runlog import RunLog
+
+FINAL_OUTPUTS = ("model.pt", "summary.json")  # what rank 0 replaces in --log-dir when training ends
+OUTPUTS_MARK = ".elastic-mnist-outputs"  # written before them: the two files there are this runtime's
+
+
+def check_log_dir(log_dir: str) -> None:
+    """--log-dir may be shared with other runs and tools, but the two files a finished run replaces must be
+    this runtime's (marked, or a summary.json it wrote): another program's are never overwritten, so such
+    a directory is refused at start, before anything is trained."""
+    found = [name for name in FINAL_OUTPUTS if os.path.lexists(os.path.join(log_dir, name))]
+    if not found or os.path.isfile(os.path.join(log_dir, OUTPUTS_MARK)) or _our_summary(
+            os.path.join(log_dir, "summary.json")):
+        return
+    raise UserError(f"--log-dir {log_dir} holds {' and '.join(found)} that elastic-mnist did not write (no summary "
+                    "of a run of ours beside it), and a finished run would replace them: move them away or pass "
+                    "another --log-dir")
+
+
+def _our_summary(path: str) -> bool:
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > 1 << 20:
+            return False
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"global_step", "total_steps", "torchrun_restart_count"} <= set(summary)
 
 
 class Metrics:
@@ -59,6 +87,11 @@ class Metrics:
         if writer is not None:
             for tag, value in values.items():
                 writer.add_scalar(tag, value, step)
+
+    def mark_outputs(self) -> None:
+        """Before model.pt and summary.json are written: a later start knows they are ours to replace."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        atomic_write(os.path.join(self.log_dir, OUTPUTS_MARK), "model.pt and summary.json are elastic-mnist's\n")
 
     def write_summary(self, summary: dict) -> None:
         if self.rank != 0:

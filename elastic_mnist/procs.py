@@ -29,18 +29,27 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies.
 
-    If the parent is already gone (it died before this call), exit at once: nobody supervises us.
+    `parent` is the pid that must be our parent (default: the launcher's, `launcher_pid()`). If it is not
+    (it died before this call and we were handed to init or a subreaper), exit at once: nobody supervises
+    us. A parent of pid 1 is no sign of that by itself: torchrun is PID 1 as a container's entrypoint.
     Linux ties the signal to the parent THREAD that forked us, so parents start such children from a
     thread that lives as long as they should."""
     if not _LINUX:
         return
-    parent = os.getppid()
+    parent = launcher_pid() if parent is None else parent
     _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent or parent == 1:
+    if os.getppid() != parent:
         os._exit(exit_codes.FAILURE)
+
+
+def launcher_pid() -> int:
+    """The pid of the agent that started this process: what the etcd-v3 agent wrote for its workers
+    ($ELASTIC_MNIST_AGENT_PID), else our parent now (another backend's agent; as early as possible)."""
+    given = os.environ.get(AGENT_PID_ENV, "")
+    return int(given) if given.isdigit() else os.getppid()
 
 
 def die_with_parent_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
@@ -117,6 +126,9 @@ def torchrun_command(torchrun_args: list[str], module_args: list[str], module: s
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *program, *module_args]
 
 
+# Set by an etcd-v3 agent for the workers it starts: its own pid, so a worker tells "my agent died before I
+# looked" from "my agent is PID 1" (torchrun as a container's entrypoint).
+AGENT_PID_ENV = "ELASTIC_MNIST_AGENT_PID"
 # Set by an etcd-v3 agent for the workers it starts: where its warm process listens (elastic_mnist/warm).
 WARM_ADDRESS_ENV = "ELASTIC_MNIST_WARM"
 # Set in a worker forked from a warm process (elastic_mnist/warm): the wall time its stand-in was exec()ed
@@ -134,7 +146,7 @@ def child_env(**extra: str) -> dict[str, str]:
     thread unless the caller set more (several processes share few cores)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_",
                                                                      "ROLE_", "TORCHELASTIC", "MASTER_"))
-           and k not in (WARM_ADDRESS_ENV, STARTED_AT_ENV)}  # a warm process is its own agent's alone
+           and k not in (WARM_ADDRESS_ENV, STARTED_AT_ENV, AGENT_PID_ENV)}  # an agent's own, for its workers alone
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

@@ -15,6 +15,7 @@ from elastic_mnist import job_secret
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.mnist import Split
 from elastic_mnist.distributed import DistEnv
+from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import snapshots
@@ -56,7 +57,7 @@ def test_corrupt_files_named_newer_never_displace_good_checkpoints(tmp_path):
 
 def test_a_corrupt_file_under_the_name_of_a_save_does_not_block_it(tmp_path, capsys):
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "ckpt-000000010.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "ckpt" / "ckpt-000000010.pt").write_bytes(b"EMNISTCK torn")  # one of ours, torn
     trainer = in_process_trainer(_config(tmp_path, max_steps=10), *_data())
     assert trainer.progress.step == 0
     trainer.train()
@@ -64,6 +65,15 @@ def test_a_corrupt_file_under_the_name_of_a_save_does_not_block_it(tmp_path, cap
     assert state["step"] == 10 and path.endswith("ckpt-000000010.pt"), "the good save took its name"
     assert os.listdir(tmp_path / "ckpt" / CORRUPT_DIR) == ["ckpt-000000010.pt"]
     assert capsys.readouterr().err.count("moved aside") == 1, "reported once"
+
+
+def test_another_programs_file_under_a_checkpoint_name_is_refused_at_start_and_never_moved(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    theirs = tmp_path / "ckpt" / "ckpt-000000010.pt"
+    theirs.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="did not write .*move them away, or pass another --checkpoint-dir"):
+        in_process_trainer(_config(tmp_path, max_steps=10), *_data())
+    assert theirs.read_bytes() == b"not a checkpoint" and sorted(os.listdir(tmp_path / "ckpt")) == [theirs.name]
 
 
 def test_a_file_the_loader_refuses_is_skipped_like_a_truncated_one(tmp_path):
@@ -102,7 +112,8 @@ def test_snapshots_on_a_full_tmpfs_turn_off_with_one_line_and_leave_nothing(tmp_
         taker.take(lambda: big, 10, estimate=lambda: 0)  # the failure is seen: off, nothing more written
         assert taker.writer is None
         taker.take(lambda: big, 15, estimate=lambda: 0)
-        leftovers = [f for _, _, files in os.walk(shm) for f in files if f != snapshots.LIVE_FILE]
+        leftovers = [f for _, _, files in os.walk(shm) for f in files
+                     if f not in (snapshots.LIVE_FILE, snapshots.ROOT_MARK, snapshots.RUN_MARK)]
         taker.close()
     err = capsys.readouterr().err
     assert err.count("snapshots off on this worker") == 1 and "No space left on device" in err
@@ -148,6 +159,7 @@ def test_run_names_cannot_escape_or_collide_and_the_default_root_is_private(tmp_
 
 
 def test_the_sweep_never_removes_a_live_runs_snapshots(tmp_path):
+    assert snapshots.claim_private(str(tmp_path)) is None  # an empty private directory: adopted as a root
     live, dead = (snapshots.place(str(tmp_path), run, 0, "c", True) for run in ("live", "dead"))
     fd = snapshots.hold(live.directory)
     os.close(snapshots.hold(dead.directory))  # its worker is gone: the kernel dropped its lock

@@ -22,7 +22,7 @@ import sys
 import time
 
 from elastic_mnist import config as train_config
-from elastic_mnist import exit_codes, torchrun_settings
+from elastic_mnist import exit_codes, files, torchrun_settings
 from elastic_mnist.config import TrainConfig, given_fields
 from elastic_mnist.errors import UserError
 from elastic_mnist.local import chaos, hosts, netns, trace
@@ -61,6 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+RUN_DIR_MARK = ".elastic-mnist-local"  # in every --run-dir a launcher made: its etcd data, logs and state
+
+
+def check_run_dir(run_dir: str) -> None:
+    """A run dir holds an etcd's data and the nodes' files: it must be new, empty, or one a launcher made
+    (to resume that run). Anything else is refused, unchanged."""
+    if not os.path.lexists(run_dir):
+        return
+    if not os.path.isdir(run_dir) or os.path.islink(run_dir):
+        raise UserError(f"--run-dir {run_dir} exists and is not a directory; pass a new path")
+    names = os.listdir(run_dir)
+    if names and RUN_DIR_MARK not in names:
+        raise UserError(f"--run-dir {run_dir} already holds files this launcher did not write ({len(names)} entries, "
+                        f"e.g. {sorted(names)[0]!r}); pass a new or empty directory, or the run dir of an earlier "
+                        "`elastic-mnist local` run to resume it")
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], list[chaos.Fault]]:
     """(launcher flags, the train config every node shares, the fields the user set, the fault schedule)."""
     args, train_argv = build_parser().parse_known_args(argv)
@@ -70,6 +87,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], l
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
+    check_run_dir(args.run_dir)
     if args.script and not os.path.isfile(args.script):
         raise UserError(f"--script {args.script}: no such file; pass the path of a script that calls "
                         "elastic_mnist.train.main(task=...)")
@@ -230,6 +248,7 @@ class Launcher:
         from elastic_mnist.etcd.server import EtcdServer, free_port
 
         os.makedirs(self.args.run_dir, exist_ok=True)
+        files.atomic_write(os.path.join(self.args.run_dir, RUN_DIR_MARK), "an elastic-mnist local run dir\n")
         self.view.event(f"run dir {self.args.run_dir}")
         server = self.hosts.etcd if self.hosts else EtcdServer
         self.etcd = server(data_dir=os.path.join(self.args.run_dir, "etcd"), binary=self.args.etcd_binary,

@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist import job_secret
+from elastic_mnist import job_secret, procs
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
@@ -270,6 +270,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     state = backend.get_state()
     exit_if_closed(params.run_id, state, store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
+    os.environ[procs.AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     if params.get_as_int("warm_start", 1):  # checked by create_backend
         # Joining a running job: import torch before joining, so the job trains on meanwhile instead of

@@ -19,6 +19,7 @@ import hmac
 import io
 import os
 import re
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -105,6 +106,26 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
         return []
     found = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := _NAME.match(n))]
     return sorted(found, reverse=True)
+
+
+def written_here(path: str) -> bool:
+    """Whether a file under a checkpoint name was written by this runtime (it starts with MAGIC), whatever
+    became of the rest of it: only such files are ever moved aside or deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def foreign_files(directory: str) -> list[str]:
+    """Files under checkpoint names that this runtime did not write (another program's, or a planted one)."""
+    return [path for _, path in list_checkpoints(directory) if not written_here(path)]
 
 
 def write_durable(path: str, data: bytes, replace: bool = False) -> bool:

@@ -13,6 +13,7 @@ cross-rank agreement in state/sync.py.
 
 from __future__ import annotations
 
+import os
 import time
 
 from elastic_mnist import _torch_compat as compat
@@ -31,6 +32,16 @@ from elastic_mnist.state.writer import CheckpointWriter
 _ON_DEVICE = ("model", "optimizer")
 # A temp file in the checkpoint dir younger than this may be another writer's save in progress.
 _LIVE_TEMP_S = 600.0
+
+
+def _refuse_foreign(directory: str) -> None:
+    """A checkpoint name held by another program's file would block the save of that step, and the runtime
+    moves or deletes only files it wrote: such a directory is refused at start."""
+    foreign = checkpoint.foreign_files(directory)
+    if foreign:
+        raise UserError(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
+                        f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
+                        "them: move them away, or pass another --checkpoint-dir")
 
 
 class CheckpointManager:
@@ -84,6 +95,7 @@ class CheckpointManager:
         try:
             if self.writes:
                 checkpoint.ensure_writable(config.checkpoint_dir)
+                _refuse_foreign(config.checkpoint_dir)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
                                          self.metrics.warn, self.key)
         except UserError as e:

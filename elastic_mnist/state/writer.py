@@ -6,7 +6,9 @@ A save publishes its file under its step's name (never replacing a file another 
 it back and verifies it, and only then prunes. The prune keeps the newest `keep` files that verify and
 always the file this writer wrote last; a file that does not verify never takes a keep slot: it is moved
 aside into `corrupt/` (kept, reported once), never deleted. A file that does not verify under the name a
-save needs is moved aside too, so it cannot block a good save of that step.
+save needs is moved aside too, so it cannot block a good save of that step. Only files this runtime wrote
+(its header) are ever moved or deleted: another program's file under a checkpoint name is left where it is,
+reported once (the worker refuses such a directory at start: state/manager.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ import queue
 import threading
 from collections.abc import Callable
 
-from elastic_mnist.state.format import CheckpointError, decode, encode, list_checkpoints, path_for, write_durable
+from elastic_mnist.state.format import (
+    CheckpointError,
+    decode,
+    encode,
+    list_checkpoints,
+    path_for,
+    write_durable,
+    written_here,
+)
 
 CORRUPT_DIR = "corrupt"
 
@@ -28,6 +38,7 @@ class Verifier:
     def __init__(self, key: bytes | None = None, warn: Callable[[str], None] = print):
         self.key, self.warn = key, warn
         self._known: dict[tuple, str | None] = {}
+        self._foreign: set[str] = set()
 
     def problem(self, path: str) -> str | None:
         """None when path verifies, else why not."""
@@ -42,8 +53,15 @@ class Verifier:
         except (CheckpointError, OSError) as e:
             return str(e)
 
-    def set_aside(self, path: str, problem: str) -> None:
-        """Move a file that does not verify into corrupt/ (kept for whoever wants to look at it)."""
+    def set_aside(self, path: str, problem: str) -> bool:
+        """Move a file of ours that does not verify into corrupt/ (kept for whoever wants to look at it);
+        one this runtime did not write stays where it is (False)."""
+        if not written_here(path):
+            if path not in self._foreign:
+                self._foreign.add(path)
+                self.warn(f"warning: {path} was not written by elastic-mnist ({problem}); left where it is, and "
+                          "ignored")
+            return False
         aside = os.path.join(os.path.dirname(path), CORRUPT_DIR)
         os.makedirs(aside, exist_ok=True)
         target = os.path.join(aside, os.path.basename(path))
@@ -52,9 +70,10 @@ class Verifier:
         try:
             os.rename(path, target)
         except FileNotFoundError:  # another writer moved it first
-            return
+            return True
         self.warn(f"warning: {path} does not verify ({problem}); moved aside to {target} (it takes no place "
                   "among the checkpoints kept)")
+        return True
 
 
 def prune(directory: str, keep: int, protect: str = "", verifier: Verifier | None = None) -> list[str]:
@@ -125,8 +144,7 @@ class CheckpointWriter:
             if problem is None:  # another writer (a survivor, an older group) saved this step first
                 self.skipped += 1
                 return
-            self.verifier.set_aside(path, problem)
-            if not write_durable(path, blob):
+            if not self.verifier.set_aside(path, problem) or not write_durable(path, blob):
                 self.skipped += 1
                 return
         problem = self.verifier.problem(path)  # read back: what the storage returns, not what we sent

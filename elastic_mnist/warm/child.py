@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 
+from elastic_mnist import procs
 from elastic_mnist.warm import _wire
 
 _RESET = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
@@ -21,8 +22,8 @@ _REPLACED: list = []  # the warm process's stdio objects: kept, because collecti
 
 
 class Job:
-    def __init__(self, request: dict, fds: list[int], conn: socket.socket) -> None:
-        self.request, self.fds, self.conn = request, fds, conn
+    def __init__(self, request: dict, fds: list[int], conn: socket.socket, server_pid: int) -> None:
+        self.request, self.fds, self.conn, self.server_pid = request, fds, conn, server_pid
 
     def run(self) -> None:
         """Never returns to the server: the target's own exit (or its end) ends this process."""
@@ -30,6 +31,9 @@ class Job:
         os.setsid()  # a session of its own, as torchrun gives each worker
         for sig in _RESET:
             signal.signal(sig, signal.SIG_IGN if sig == signal.SIGPIPE else signal.SIG_DFL)
+        # The warm process ends with its agent: then this worker stops with its group and saves (SIGHUP),
+        # as a cold worker does when its agent dies.
+        procs.set_parent_death_signal(signal.SIGHUP, parent=self.server_pid)
         for target, fd in zip(_wire.STDIO, self.fds):
             os.dup2(fd, target)
             os.close(fd)

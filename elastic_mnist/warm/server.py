@@ -78,10 +78,11 @@ class Server:
             _wire.send_line(conn, {"refused": refused or "gone"})
             _close(fds, conn)
             return None
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             self._close_in_child(conn)
-            return Job(request, fds, conn)
+            return Job(request, fds, conn, server_pid)
         for fd in fds:
             os.close(fd)
         pidfd = os.pidfd_open(pid)

@@ -28,7 +28,7 @@ from elastic_mnist.config import parse_args
 from elastic_mnist.data.inputs import build_inputs
 from elastic_mnist.data.mnist import BatchPlan, dataset_fingerprint
 from elastic_mnist.errors import UserError
-from elastic_mnist.metrics import Metrics, process_age_s
+from elastic_mnist.metrics import Metrics, check_log_dir, process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
@@ -47,6 +47,7 @@ def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitSta
     from the newest state there is. The one way a Trainer is built: the worker below and the tests and
     benchmarks in one process alike."""
     device, marks = device or torch.device("cpu"), {} if marks is None else marks
+    check_log_dir(config.log_dir)
     runlog = stack.enter_context(RunLog(config.log_dir, config.sample_log, env.rank, env.world_size,
                                         env.restart_count, env.node))
     metrics = Metrics(env.rank, config.log_dir, journal=runlog)
@@ -143,6 +144,7 @@ def _write_final(config, env, trainer: Trainer, summary: dict) -> None:
     trainer.checkpoints.mark_finished(summary)
     if env.rank != 0:
         return
+    trainer.metrics.mark_outputs()
     buf = io.BytesIO()
     torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
     checkpoint.write_durable(os.path.join(config.log_dir, "model.pt"), buf.getvalue(), replace=True)
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
     env = distributed.read_env()
     stop = stop_signals.for_process()  # installed before the slow start-up (by -m elastic_mnist.train: before
     # torch loads): a preemption during it is still a graceful stop
-    if env.launched:
+    if env.launched and procs.STARTED_AT_ENV not in os.environ:  # a warm child's parent is the warm process,
+        # which set this up at the fork (warm/child.py)
         # If our torchrun agent dies, stop at the next step boundary with the group and save (SIGHUP),
         # rather than die with the steps since the last snapshot (SIGKILL).
         procs.set_parent_death_signal(signal.SIGHUP)
