@@ -104,6 +104,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         self._check_finite()
+        self._check_ranges()
+        self._check_paths()
         if self.epochs <= 0:
             raise UserError(f"--epochs must be positive, got {self.epochs}")
         if self.global_batch_size <= 0:
@@ -150,6 +152,25 @@ class TrainConfig:
                 raise UserError(f"{flag_name(f.name)} must be a finite number, got {value}; "
                                 f"give a number such as the default {getattr(type(self)(), f.name)!r}")
 
+    def _check_ranges(self) -> None:
+        """Sizes and durations no run can use, refused here rather than by the allocator or a timer."""
+        for name, top in LIMITS.items():
+            value = getattr(self, name)
+            if value > top:
+                raise UserError(f"{flag_name(name)} {value} is out of range (at most {top}); give a smaller value, "
+                                f"such as the default {getattr(type(self)(), name)!r}")
+
+    def _check_paths(self) -> None:
+        """A directory flag whose path runs through a regular file can never be created: say so now."""
+        for name in PATH_FIELDS:
+            path = getattr(self, name)
+            if not path or (name == "snapshot_dir" and "{uid}" in path):
+                continue
+            blocker = _file_in_the_way(path)
+            if blocker:
+                raise UserError(f"{flag_name(name)} {path}: {blocker} is a file, not a directory; pass a directory "
+                                "path (it is created if missing)")
+
     def check_world_size(self, world_size: int) -> None:
         if self.global_batch_size < world_size:
             raise UserError(
@@ -179,6 +200,32 @@ class TrainConfig:
         return argv
 
 
+# The largest value each flag accepts: beyond these a run would exhaust memory, overflow a timer or never
+# end a step, so the validator names the flag instead.
+LIMITS = {
+    "epochs": 100_000, "max_steps": 10**12, "global_batch_size": 1 << 20, "grad_accum": 1 << 16,
+    "hidden": 1 << 16, "num_workers": 256, "keep_checkpoints": 10_000, "checkpoint_every": 10**9,
+    "snapshot_every": 10**9, "snapshot_cap_mb": 1 << 30, "snapshot_max_age_h": 24 * 365.0, "log_every": 10**9,
+    "collective_timeout": 86_400.0, "connect_timeout": 86_400.0, "peer_timeout": 3_600.0,
+    "heartbeat_interval": 60.0, "min_step_time": 3_600.0, "startup_cost": 3_600.0, "lr": 1_000.0,
+    "grad_clip": 1e9, "seed": 2**63 - 1,
+}
+# (--data-dir and --checkpoint-dir have checks of their own, which tell a node's missing mount from a bad flag.)
+PATH_FIELDS = ("log_dir", "snapshot_dir", "sample_log")
+
+
+def _file_in_the_way(path: str) -> str:
+    """The path itself or its first existing ancestor, when that is not a directory; "" otherwise."""
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.lexists(probe):
+            return "" if os.path.isdir(probe) else probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return ""
+        probe = parent
+
+
 def flag_name(field_name: str) -> str:
     """A config field's command-line flag: checkpoint_dir -> --checkpoint-dir."""
     return "--" + field_name.replace("_", "-")
@@ -200,8 +247,16 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+class StrictParser(argparse.ArgumentParser):
+    """argparse that raises UserError (one line, the worker's exit 78 under torchrun) instead of exiting 2,
+    which torchrun would take for a failure worth retrying."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see `{self.prog} --help`")
+
+
 def build_parser(cls: type = TrainConfig, prog: str = "elastic-mnist train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip() or None)
+    parser = StrictParser(prog=prog, description=(cls.__doc__ or "").strip() or None)
     docs = field_docs(cls)
     defaults = cls()
     for f in fields(cls):

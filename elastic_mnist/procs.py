@@ -140,13 +140,16 @@ STARTED_AT_ENV = "ELASTIC_MNIST_STARTED_AT"
 NODE_ENV = "ELASTIC_MNIST_NODE"
 
 
+_AGENT_ONLY = (WARM_ADDRESS_ENV, STARTED_AT_ENV, AGENT_PID_ENV, "ELASTIC_MNIST_AGENT_DIR")  # (agent_link.AGENT_DIR_ENV)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child that runs our code: no inherited rank variables (a test run under
     torchrun must not leak its own), this venv first on PATH, unbuffered output, and one intra-op
     thread unless the caller set more (several processes share few cores)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_",
                                                                      "ROLE_", "TORCHELASTIC", "MASTER_"))
-           and k not in (WARM_ADDRESS_ENV, STARTED_AT_ENV, AGENT_PID_ENV)}  # an agent's own, for its workers alone
+           and k not in _AGENT_ONLY}  # what an agent hands its own workers: never a test's child
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

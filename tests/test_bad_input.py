@@ -1,5 +1,5 @@
 """Bad input fails at start with one line naming the fix: non-finite float flags, and every kind of
-malformed MNIST file, through the parser, `load_split`, a real worker (exit 2) and real preflight (exit 78).
+malformed MNIST file, through the parser, `load_split`, a real worker and real preflight (exit 78).
 
     python -m pytest -q tests/test_bad_input.py
 """
@@ -125,19 +125,19 @@ def test_a_malformed_file_is_one_error_naming_it_and_writes_no_cache(tmp_path, c
 
 
 @pytest.mark.slow  # a real worker process
-def test_the_worker_exits_2_with_one_line(tmp_path):
+def test_the_worker_exits_78_with_one_line(tmp_path):
     root, bad = _bad_set(tmp_path, "3-byte file")
     run = run_train(["--data-dir", str(root), "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir",
                      str(tmp_path / "runs")], ELASTIC_MNIST_CACHE_DIR=str(tmp_path / "cache"))
-    assert run.returncode == exit_codes.USAGE, run.stderr
+    assert run.returncode == exit_codes.PERMANENT, run.stderr
     assert run.stderr.strip().count("\n") == 0 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.startswith("elastic-mnist train: error: MNIST file") and str(bad) in run.stderr
 
 
 @pytest.mark.slow  # a real worker process
-def test_a_nan_flag_exits_2_with_one_line(tmp_path):
+def test_a_nan_flag_exits_78_with_one_line(tmp_path):
     run = run_train(["--lr", "nan", "--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")])
-    assert run.returncode == exit_codes.USAGE, run.stderr
+    assert run.returncode == exit_codes.PERMANENT, run.stderr
     assert run.stderr.strip().count("\n") == 0 and "Traceback" not in run.stderr, run.stderr
     assert "--lr must be a finite number, got nan" in run.stderr
 

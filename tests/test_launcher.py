@@ -10,7 +10,7 @@ import pytest
 
 from elastic_mnist.config import TrainConfig, parse_args
 from elastic_mnist.errors import UserError
-from elastic_mnist.local.launcher import Launcher, given_fields, parse
+from elastic_mnist.local.launcher import RUN_DIR_MARK, Launcher, given_fields, parse
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import child_env
 from elastic_mnist.state import snapshots
@@ -70,12 +70,27 @@ def test_a_directory_the_user_sets_is_shared_by_every_node(tmp_path):
 def test_bad_launcher_and_train_flags_are_refused_before_anything_starts(tmp_path, capsys):
     with pytest.raises(UserError, match="--min-nodes"):
         parse(["--run-dir", str(tmp_path), "--nodes", "5", "--max-nodes", "4"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError, match="argument --epochs: invalid int value: 'many'"):
         parse(["--run-dir", str(tmp_path), "--epochs", "many"])
-    assert "--epochs" in capsys.readouterr().err
     with pytest.raises(UserError, match="smaller than the world size"):
         parse(["--run-dir", str(tmp_path), "--global-batch-size", "2", "--max-nodes", "4"])
+    with pytest.raises(UserError, match="--nproc-per-node must be 1..64"):
+        parse(["--run-dir", str(tmp_path), "--nproc-per-node", "0"])
     assert not os.listdir(tmp_path), "nothing was created"
+
+
+def test_a_run_dir_the_launcher_did_not_make_is_refused_unchanged(tmp_path):
+    (tmp_path / "etcd").mkdir()
+    (tmp_path / "etcd" / "member").write_text("someone's etcd data")
+    with pytest.raises(UserError, match="already holds files this launcher did not write"):
+        parse(["--run-dir", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["etcd"]
+    assert (tmp_path / "etcd" / "member").read_text() == "someone's etcd data"
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / RUN_DIR_MARK).write_text("")
+    (ours / "report.json").write_text("{}")
+    parse(["--run-dir", str(ours)])  # an earlier run's dir: resumed
 
 
 def _exited_node(launcher: Launcher, name: str, code: int) -> Node:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO, run_train, worker_env
 
-from elastic_mnist import procs
+from elastic_mnist import exit_codes, procs
 from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.etcd.server import free_port
 from elastic_mnist.runlog import read_records
@@ -64,13 +64,13 @@ def test_sample_log_matches_the_plan(small_mnist, tmp_path):
 ])
 def test_bad_flags_give_one_line(small_mnist, tmp_path, flags, message):
     run = run_train(_args(small_mnist, tmp_path, "x", *flags))
-    assert run.returncode == 2
+    assert run.returncode == exit_codes.PERMANENT
     assert run.stderr.strip().count("\n") == 0 and message in run.stderr
 
 
 def test_missing_data_dir_says_how_to_get_mnist(tmp_path):
     run = run_train(_args(str(tmp_path / "nowhere"), tmp_path, "m"))
-    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
+    assert run.returncode == exit_codes.PERMANENT and run.stderr.strip().count("\n") == 0
     assert "MNIST not found" in run.stderr and "--download" in run.stderr and "--data-dir" in run.stderr
 
 
@@ -79,14 +79,15 @@ def test_unwritable_checkpoint_dir(small_mnist, tmp_path):
     args = ["--data-dir", small_mnist, "--checkpoint-dir", str(tmp_path / "blocker" / "ckpt"),
             "--log-dir", str(tmp_path / "runs"), "--max-steps", "2"]
     run = run_train(args)
-    assert run.returncode == 2 and "not writable" in run.stderr and run.stderr.strip().count("\n") == 0
+    assert run.returncode == exit_codes.PERMANENT and "not writable" in run.stderr
+    assert run.stderr.strip().count("\n") == 0
 
 
 def test_checkpoint_of_another_config_is_refused_and_kept(small_mnist, tmp_path):
     assert run_train(_args(small_mnist, tmp_path, "c", "--max-steps", "3")).returncode == 0
     before = sorted(os.listdir(tmp_path / "c" / "ckpt"))
     run = run_train(_args(small_mnist, tmp_path, "c", "--max-steps", "6", "--hidden", "64"))
-    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
+    assert run.returncode == exit_codes.PERMANENT and run.stderr.strip().count("\n") == 0
     assert "hidden 512 (checkpoint) vs 64 (now)" in run.stderr
     assert sorted(os.listdir(tmp_path / "c" / "ckpt")) == before
     assert checkpoint.load_latest(str(tmp_path / "c" / "ckpt"))[0]["step"] == 3

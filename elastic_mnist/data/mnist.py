@@ -80,6 +80,10 @@ def load_split(root: str, train: bool, download: bool = False, cache_dir: str | 
         # missing data set to fetch with torchvision.
         if all(p.exists() for p in paths):
             return _load_cached(raw, paths, train, cache_dir)
+        if not download:  # the files are missing: say which, whether or not torchvision could fetch them
+            missing = ", ".join(p.name for p in paths if not p.exists())
+            raise UserError(f"MNIST not found under {raw} (missing {missing}). Point --data-dir (or "
+                            "$ELASTIC_MNIST_DATA_DIR) at a directory holding MNIST/raw/*-ubyte, or add --download")
         images, labels = _load_with_torchvision(root, train, download)
     except RuntimeError as e:
         raise UserError(
@@ -208,6 +212,12 @@ class BatchPlan:
     global_batch_size: int
     seed: int
     _perms: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size > self.num_samples:
+            raise UserError(f"--global-batch-size {self.global_batch_size} is larger than the training set "
+                            f"({self.num_samples} samples): an epoch would have no step; pass at most "
+                            f"{self.num_samples}")
 
     @property
     def steps_per_epoch(self) -> int:

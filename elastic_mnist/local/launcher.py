@@ -36,7 +36,7 @@ POLL_S = 0.1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-mnist local", allow_abbrev=False,
+    p = train_config.StrictParser(prog="elastic-mnist local", allow_abbrev=False,
                                 description="Embedded etcd + N torchrun nodes on this machine, with fault injection. "
                                             "Flags not listed here are passed to `elastic-mnist train`.")
     p.add_argument("--nodes", type=int, default=2, help="nodes started at launch (default 2)")
@@ -83,7 +83,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], l
     args, train_argv = build_parser().parse_known_args(argv)
     if args.trace:
         trace.check(args)  # the trace decides how many nodes run
-    elif not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
+    if not 1 <= args.nproc_per_node <= 64:
+        raise UserError(f"--nproc-per-node must be 1..64 (workers per node), got {args.nproc_per_node}")
+    if not args.trace and not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
@@ -212,7 +214,8 @@ class Launcher:
         if node.exited_at is None and not node.running:
             node.exited_at = now
             self.view.event(f"{node.name} exited with code {node.returncode}")
-            if self.args.restart and not node.injected and node.returncode != 0:
+            # 78: a configuration error ended the job (the agent said why); a restart would meet it again
+            if self.args.restart and not node.injected and node.returncode not in (0, exit_codes.PERMANENT):
                 node.restart_at = now + restart_delay(node.restarts)
                 self.events.append(chaos.Event("agent-restart", node.name, max(self.tail.latest_step, 0), now,
                                                self.tail.world_size, exit_code=node.returncode))
@@ -304,11 +307,19 @@ class Launcher:
             print(f"\nfinal: step {summary['global_step']}/{summary['total_steps']}, test accuracy "
                   f"{summary['test_accuracy']:.4f}, world {summary['world_size']}; orphans {orphans or 'none'}")
         print(f"report: {os.path.join(self.args.run_dir, 'report.json')}", flush=True)
+        if not done and any(n.returncode == exit_codes.PERMANENT for n in self.nodes.values()):
+            print("elastic-mnist local: error: the job ended on a configuration error (its line is in the node "
+                  f"logs under {self.args.run_dir}/nodes); fix it and run again", file=sys.stderr, flush=True)
+            return exit_codes.PERMANENT
         return 0 if done and not orphans else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    launcher = Launcher(*parse(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        launcher = Launcher(*parse(list(sys.argv[1:] if argv is None else argv)))
+    except UserError as e:  # a bad flag: nothing started, and no restart of anything can help
+        print(f"elastic-mnist local: error: {e}", file=sys.stderr, flush=True)
+        return exit_codes.PERMANENT
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt  # unwinds through run()'s finally: nodes and etcd are stopped

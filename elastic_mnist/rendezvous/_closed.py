@@ -27,6 +27,9 @@ from elastic_mnist.rendezvous._state import decode_state
 
 # torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID + utils/store.py's _LAST_MEMBER_CHECKIN
 EXIT_BARRIER_KEY = "torchelastic/agent/terminal_state/last_member"
+# Set before a node closes the rendezvous for a worker's configuration error (_verdict.py): the line every
+# agent of the job, and every later one, ends with.
+CONFIG_ERROR_KEY = "elastic-mnist/config-error"
 
 
 def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple[int, str] | None:
@@ -36,6 +39,10 @@ def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple
     state = decode_state(state_bits)
     if not state.closed:
         return None
+    if store.check([CONFIG_ERROR_KEY]):
+        reason = store.get(CONFIG_ERROR_KEY).decode(errors="replace")
+        return PERMANENT, (f"rendezvous {run_id} is closed: a configuration error ended the job ({reason}); fix it "
+                           "and start again with a new --rdzv-id (nothing was deleted)")
     if store.check([f"torch.rendezvous.{run_id}.{state.round}/{EXIT_BARRIER_KEY}"]):
         return OK, (f"rendezvous {run_id} is closed: the job finished (every node of round {state.round} "
                     "succeeded); nothing to do")

@@ -64,10 +64,12 @@ class RoundView:
         self._said = ""
         self.hiding = False  # the last state read had nodes hidden for a partition
         self.read: tuple[int, bool, frozenset[str]] | None = None  # (round, complete and open, members) in etcd
+        self.closed = False  # the last state read was closed (the job finished or ended)
 
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
         self.read = (state.round, state.complete and not state.closed, frozenset(map(str, state.participants)))
+        self.closed = bool(state.closed)
         changed = self._drop_dead(state)  # on the values as written: a dead node's last one is remembered
         changed = self.clock.present(state) or changed
         # A node hidden for a partition may be hidden on a report its author has not refreshed yet (it

@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist import job_secret, procs
+from elastic_mnist import agent_link, job_secret, procs
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
@@ -78,6 +78,7 @@ from elastic_mnist.rendezvous._state import (
     seal_state,
     unseal_state,
 )
+from elastic_mnist.rendezvous._verdict import end_the_job_on_config_errors
 from elastic_mnist.rendezvous.conf import (
     BACKEND_NAME,
     DEFAULT_KEY_PREFIX,
@@ -271,6 +272,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     exit_if_closed(params.run_id, state, store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
     os.environ[procs.AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
+    agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     if params.get_as_int("warm_start", 1):  # checked by create_backend
         # Joining a running job: import torch before joining, so the job trains on meanwhile instead of
@@ -280,6 +282,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     make_prompt(handler, backend)
     if backend.view is not None:  # always, as create_backend builds it
         restart_when_the_round_shrinks(handler, backend.view, store)
+        end_the_job_on_config_errors(handler, backend.view, store, params.run_id, agent_dir, backend.get_state)
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(compat.handler_node(handler)))

@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist import distributed, exit_codes, job_secret, procs
+from elastic_mnist import agent_link, distributed, exit_codes, job_secret, procs
 from elastic_mnist.config import parse_args
 from elastic_mnist.data.inputs import build_inputs
 from elastic_mnist.data.mnist import BatchPlan, dataset_fingerprint
@@ -172,8 +172,11 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
         stop.set_orphan_grace(config.collective_timeout + 30)  # the agreement, then one blocking save
         return run(config, env, stop, task or MnistMLP(), marks)
     except UserError as e:
+        # A configuration error: no restart can help. Under an etcd-v3 agent it ends the whole job, once
+        # (agent_link.py); elsewhere torchrun's retries meet the same line.
         print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
-        return exit_codes.USAGE
+        agent_link.report_config_error(str(e))
+        return exit_codes.PERMANENT
 
 
 def launch(task: Task | None = None) -> NoReturn:

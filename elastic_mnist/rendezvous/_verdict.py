@@ -1,0 +1,56 @@
+"""A configuration error that a worker finds ends the job on every node, once, with its line and exit 78.
+
+    torchrun --rdzv-backend=etcd-v3 ... -m elastic_mnist.train --global-batch-size 100000   # every agent: exit 78
+
+torchrun treats a worker that exits non-zero as a failure to retry: a flag the worker refuses would fail the
+same way up to --max-restarts times on every node. Here the worker also hands its one-line reason to its
+agent (agent_link.py). Before that agent joins the next round it publishes the reason in the job's store
+and closes the rendezvous. Every other agent sees the closed state at its next poll of `num_nodes_waiting`,
+stops its workers as for a new round (they save), and ends too; so does any agent started later
+(_closed.py reads the same key). The line each prints is the worker's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed import Store
+
+from elastic_mnist import agent_link
+from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.rendezvous._closed import CONFIG_ERROR_KEY, exit_if_closed
+from elastic_mnist.rendezvous._prompt import RoundView
+from elastic_mnist.rendezvous.conf import BACKEND_NAME
+
+
+class Verdict:
+    def __init__(self, handler: DynamicRendezvousHandler, view: RoundView, store: Store, run_id: str,
+                 agent_dir: str, read_state) -> None:
+        self._handler, self._view, self._store, self._run_id = handler, view, store, run_id
+        self._dir, self._read_state = agent_dir, read_state
+        self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
+
+    def next_rendezvous(self):
+        line = agent_link.config_error(self._dir) if self._dir else None
+        if line:
+            self._store.set(CONFIG_ERROR_KEY, line)
+            self._handler.set_closed()
+        if line or self._view.closed:
+            exit_if_closed(self._run_id, self._read_state(), self._store, f"elastic-mnist {BACKEND_NAME}")
+        return self._next_rendezvous()
+
+    def num_nodes_waiting(self) -> int:
+        waiting = self._num_nodes_waiting()
+        if self._view.closed and not waiting:
+            print(f"elastic-mnist {BACKEND_NAME}: the job's rendezvous was closed by another node; stopping this "
+                  "node's workers", file=sys.stderr, flush=True)
+            return 1  # torch's agent stops its workers, then next_rendezvous ends this agent with the line
+        return waiting
+
+
+def end_the_job_on_config_errors(handler: DynamicRendezvousHandler, view: RoundView, store: Store, run_id: str,
+                                 agent_dir: str, read_state) -> None:
+    """Wrap the two methods torch's agent calls (an instance's own attributes win)."""
+    verdict = Verdict(handler, view, store, run_id, agent_dir, read_state)
+    handler.next_rendezvous = verdict.next_rendezvous  # type: ignore[method-assign]
+    handler.num_nodes_waiting = verdict.num_nodes_waiting  # type: ignore[method-assign]
