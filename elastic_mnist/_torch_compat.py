@@ -229,6 +229,14 @@ def _check_c10d() -> None:
         require_params(require(_c10d, "_set_pg_timeout", _C10D), ("timeout",), "_set_pg_timeout", _C10D)
 
 
+_bad_fork = require(torch.cuda, "_is_in_bad_fork", "CUDA fork guard")
+
+
+def cuda_bad_fork() -> bool:
+    """Whether this process is a fork of one that initialised CUDA (it cannot use CUDA; warm/probe.py)."""
+    return bool(_bad_fork())
+
+
 def gloo_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 

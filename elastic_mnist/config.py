@@ -16,8 +16,10 @@ import dataclasses
 import inspect
 import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 
+from elastic_mnist import exit_codes
 from elastic_mnist.errors import UserError
 
 # The one env var Kubernetes needs: a pod spec can point every command at a mounted data volume.
@@ -304,5 +306,18 @@ def given_fields(train_argv: list[str]) -> set[str]:
     return {name for name, value in vars(parser.parse_args(train_argv)).items() if value is not unset}
 
 
+def main(argv: list[str]) -> int:
+    """`--check FLAGS...`: exit 0 when the flags are good, else one line and 78; nothing: docs/flags.md."""
+    if argv[:1] != ["--check"]:
+        print(flags_markdown(), end="")
+        return 0
+    try:
+        parse_args(argv[1:])
+    except UserError as e:
+        print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
+        return exit_codes.PERMANENT
+    return 0
+
+
 if __name__ == "__main__":
-    print(flags_markdown(), end="")
+    raise SystemExit(main(sys.argv[1:]))

@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
+import stat
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from elastic_mnist import procs
-from elastic_mnist.warm import _wire
-from elastic_mnist.warm.server import REQUEST_TIMEOUT_S, start_for_workers
+from elastic_mnist import agent_link, procs
+from elastic_mnist.warm import _wire, settings
+from elastic_mnist.warm.agent import start_for_workers
+from elastic_mnist.warm.server import REQUEST_TIMEOUT_S
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
@@ -44,11 +45,10 @@ def warm():
     """A warm server owned by this module's tests (its agent is the test process), and the environment
     that finds it; it serves every test here, as one serves every worker start of its agent."""
     environ: dict[str, str] = {}
-    proc = start_for_workers(environ)
-    assert proc is not None
+    warm = start_for_workers(agent_link.create(environ), environ)
+    assert warm is not None
     yield procs.child_env(**environ, MARK="from-env")
-    proc.kill()
-    proc.wait()
+    warm.end()
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_warm_child_runs_the_command_with_its_output_arguments_and_exit_code(w
 
 
 def test_without_a_server_the_process_starts_cold(script, tmp_path):
-    env = procs.child_env(**{_wire.ADDRESS_ENV: _wire.new_address()})  # nobody listens there
+    env = procs.child_env(**{_wire.ADDRESS_ENV: str(tmp_path / "warm.sock")})  # nobody listens there
     proc = _start(script, env, "exit", "5")
     seen = _first_line(proc)
     proc.communicate(timeout=120)
@@ -118,20 +118,44 @@ def test_the_child_dies_with_its_stand_in(warm, script):
     assert procs.wait_exit(child, 30), "the warm child outlived its killed stand-in"
 
 
-def test_the_server_refuses_another_interpreter(warm):
+ASK = textwrap.dedent("""
+    import json, socket, sys
+    from elastic_mnist.warm import _wire, settings
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(_wire.sockaddr(warm[_wire.ADDRESS_ENV]))
-    _wire.send_request(sock, {"exe": "/usr/bin/python9", "version": "9", "preload": []})
-    reply = _wire.Lines(sock).next()
-    sock.close()
-    assert "python9" in reply["refused"]
+    sock.connect(sys.argv[1])
+    raw = sys.stdin.buffer.read()
+    if sys.argv[2] == "raw":  # bytes as they are, with the stand-in's descriptors
+        socket.send_fds(sock, [raw[:4]], list(_wire.STDIO))
+        sock.sendall(raw[4:])
+    else:
+        _wire.send(sock, json.loads(raw), _wire.STDIO)
+    try:
+        print(json.dumps(_wire.receive(sock)[0]))
+    except EOFError:
+        print("{}")
+""")
 
 
-def test_the_server_ends_with_its_agent():
+def _ask(address: str, request, raw: bool = False, env=None) -> dict:
+    """What the warm process answers a stand-in (a child of this test process, the server's agent)."""
+    data = request if raw else json.dumps(request).encode()
+    done = subprocess.run([sys.executable, "-c", ASK, address, "raw" if raw else "json"], input=data,
+                          capture_output=True, timeout=60, env=env or procs.child_env())
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_server_refuses_another_interpreter(warm):
+    request = _wire.request_from_here((), 0.0, {}) | {"exe": "/usr/bin/python9", "version": "9"}
+    assert "python9" in _ask(warm[_wire.ADDRESS_ENV], request)["refused"]
+
+
+def test_the_server_ends_with_its_agent(tmp_path):
     agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ready_r, ready_w = os.pipe()
     server = subprocess.Popen([sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(agent.pid),
-                               "--address", _wire.new_address(), "--ready-fd", str(ready_w)], pass_fds=[ready_w])
+                               "--address", str(tmp_path / "warm.sock"), "--ready-fd", str(ready_w)],
+                              pass_fds=[ready_w])
     os.close(ready_w)
     try:
         assert os.read(ready_r, 1) == b"1"  # it listens, and watches the agent
@@ -165,3 +189,134 @@ def test_a_node_waits_for_its_import_only_when_it_joins_a_running_job():
     assert not _joins_a_running_job(None)
     assert not _joins_a_running_job(state(False, 1.0))
     assert not _joins_a_running_job(state(True, 600.0))
+
+
+# -- the warm process hardened -------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw, why", [
+    (b"\x00\x00\x00\x05[1,2]", "not a JSON object"),
+    (b"\x00\x00\x00\x04nope", "bad request"),
+    (b"\xff\xff\xff\xff", "a message of"),
+])
+def test_a_malformed_request_gets_one_line_and_the_server_goes_on(warm, script, raw, why):
+    assert why in _ask(warm[_wire.ADDRESS_ENV], raw, raw=True)["refused"]
+    good = _wire.request_from_here((), 0.0, {})
+    missing = {k: v for k, v in good.items() if k != "env"}
+    assert _ask(warm[_wire.ADDRESS_ENV], missing)["refused"].startswith("malformed request: 'env'")
+    proc = _start(script, warm, "exit", "0")
+    assert _first_line(proc)["warm"] and proc.wait(timeout=60) == 0, "still serving"
+
+
+def test_only_the_agents_own_workers_are_served_on_a_private_socket(warm):
+    address = warm[_wire.ADDRESS_ENV]
+    assert os.stat(os.path.dirname(address)).st_mode & 0o777 == 0o700 and stat.S_ISSOCK(os.stat(address).st_mode)
+    # A grandchild of the agent (the shell stays its parent) is no worker of it: another program of this user.
+    done = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" "$1" json; true', ASK, address],
+                          input=json.dumps(_wire.request_from_here((), 0.0, {})).encode(), capture_output=True,
+                          timeout=60, env=procs.child_env())
+    assert "is not a worker of this agent" in json.loads(done.stdout)["refused"], done.stderr
+
+
+def test_a_fork_that_cannot_take_the_stand_ins_settings_makes_it_start_cold(warm):
+    request = _wire.request_from_here((), 0.0, settings.capture())
+    request["settings"]["affinity"] = [100_000]  # no such CPU
+    assert "cannot take the worker's process settings over" in _ask(warm[_wire.ADDRESS_ENV], request)["refused"]
+
+
+def test_the_worker_keeps_the_stand_ins_affinity_nice_umask_and_limits(warm, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import json, os, resource
+        from elastic_mnist.warm import handoff
+        handoff()
+        mask = os.umask(0)
+        print(json.dumps({"warm": "ELASTIC_MNIST_STARTED_AT" in os.environ, "umask": mask, "nice": os.nice(0),
+                          "cpus": sorted(os.sched_getaffinity(0)),
+                          "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}))
+    """))
+    cpu = min(os.sched_getaffinity(0))
+    command = f'umask 027; ulimit -n 512; exec nice -n 3 taskset -c {cpu} "{sys.executable}" "{probe}"'
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120, env=warm)
+    seen = json.loads(done.stdout)
+    assert seen == {"warm": True, "umask": 0o027, "nice": os.nice(0) + 3, "cpus": [cpu], "nofile": [512, 512]}
+
+
+@pytest.mark.slow  # a warm process of its own (torch imported again) and a probe that hangs until its bound
+@pytest.mark.parametrize("preload, why", [
+    ("x = torch.ones(256, 256); (x @ x).sum()", "hung in its first torch op"),
+    ("torch.cuda.is_available()", "CUDA was initialised in the warm process"),
+])
+def test_a_preload_that_makes_forks_unsafe_starts_workers_cold_saying_why(tmp_path, monkeypatch, script, preload,
+                                                                           why):
+    (tmp_path / "unsafe_preload.py").write_text(f"import torch\ntorch.set_num_threads(2)\n{preload}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    environ: dict[str, str] = {}
+    warm = start_for_workers(agent_link.create(environ), environ, probe_timeout_s=3.0)
+    try:
+        stand_in = tmp_path / "stand_in.py"
+        stand_in.write_text(SCRIPT.replace("handoff()", "handoff(preload=('unsafe_preload',))"))
+        proc = _start(stand_in, procs.child_env(**environ), "exit", "0")
+        seen = _first_line(proc)
+        _, err = proc.communicate(timeout=120)
+        assert not seen["warm"] and seen["pid"] == proc.pid and proc.returncode == 0
+        assert err.count("starting cold: ") == 1 and why in err, err
+    finally:
+        warm.end()
+
+
+# -- a worker kept across rounds (in-place) ------------------------------------------------------------------
+KEPT = textwrap.dedent("""
+    import json, os, sys
+    from elastic_mnist.warm import handoff
+    handoff()
+    from elastic_mnist.warm import kept
+    session, rounds = kept.session(), 0
+    while True:
+        rounds += 1
+        print(json.dumps({"pid": os.getpid(), "round": rounds, "argv": sys.argv[2:]}), flush=True)
+        if session is None or rounds == 2:
+            sys.exit(7)
+        session.detach(5)
+        what, why = session.wait(60, lambda: False)
+        if what != "attach":
+            open(sys.argv[1], "w").write(f"{what}: {why}")
+            if what == "refuse":
+                session.refuse(why)
+            sys.exit(0)
+""")
+
+
+def _kept(tmp_path, env, local_rank: str, *args):
+    path = tmp_path / "kept.py"
+    path.write_text(KEPT)
+    proc = subprocess.Popen([sys.executable, str(path), str(tmp_path / "left"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**env, "LOCAL_RANK": local_rank})
+    seen = json.loads(proc.stdout.readline())
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, seen, err
+
+
+def test_a_kept_worker_takes_the_next_rounds_stand_in(warm, tmp_path):
+    code, first, _ = _kept(tmp_path, warm, "11", "a")
+    assert code == 5 and first["round"] == 1, "its stand-in exits with the detach code; the worker stays"
+    code, second, _ = _kept(tmp_path, warm, "11", "a")
+    assert code == 7 and second == {"pid": first["pid"], "round": 2, "argv": ["a"]}, "the same process, round 2"
+
+
+def test_a_kept_worker_that_is_not_the_rounds_worker_leaves_and_a_fresh_one_serves(warm, tmp_path):
+    code, first, _ = _kept(tmp_path, warm, "12", "a")
+    assert code == 5
+    code, second, err = _kept(tmp_path, warm, "12", "b")
+    assert code == 5 and second["round"] == 1 and second["pid"] != first["pid"] and second["argv"] == ["b"]
+    assert (tmp_path / "left").read_text().startswith("refuse: the round's worker differs from the one built here "
+                                                      "(arguments)")
+    assert procs.wait_exit(first["pid"], 30)
+
+
+def test_kept_workers_end_with_their_agent(tmp_path):
+    environ: dict[str, str] = {}
+    warm = start_for_workers(agent_link.create(environ), environ)
+    code, first, _ = _kept(tmp_path, procs.child_env(**environ), "0", "a")
+    assert code == 5 and procs.alive(first["pid"])
+    warm.end()
+    assert (tmp_path / "left").read_text() == "end: its agent ends" and not procs.alive(first["pid"])
+    assert not os.path.exists(environ[_wire.ADDRESS_ENV]), "the socket is removed with its warm process"

@@ -38,6 +38,8 @@ class EtcdV3Settings:
     last_call: timedelta = timedelta(seconds=1)
     warm_start: bool = True
     """Workers start as forks of a warm process beside the agent (elastic_mnist/warm)."""
+    in_place: bool = True
+    """Workers outlive their round: a membership change rebuilds only their process groups (warm/kept.py)."""
 
 
 def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
@@ -79,11 +81,14 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
         job_secret = secret(params.get("secret_file"))
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(str(exc)) from exc
-    probe, warm = _flag(params, "peer_probe"), _flag(params, "warm_start")
+    probe, warm, in_place = _flag(params, "peer_probe"), _flag(params, "warm_start"), _flag(params, "in_place")
+    if in_place and not warm and params.get("in_place") is not None:
+        raise EtcdV3ConfigError("--rdzv-conf in_place=1 needs warm_start=1 (the kept workers are forks of the warm "
+                                "process): drop warm_start=0, or set in_place=0")
     window = timedelta(seconds=_int_option(params, "keep_alive_interval", 5)
                        * _int_option(params, "keep_alive_max_attempt", 3))  # torch's defaults
     last_call = timedelta(seconds=_int_option(params, "last_call_timeout", 30))
     # The agent rides out an etcd outage (preflight and status, which also read the schema, do not).
     conn = connection_spec(params.endpoint, {"outage_timeout": DEFAULT_OUTAGE_TIMEOUT_S, **params.config})
     return EtcdV3Settings(conn, prefix, _lease_ttl(params), job_secret,
-                          probe, window, last_call, warm)
+                          probe, window, last_call, warm, in_place and warm)

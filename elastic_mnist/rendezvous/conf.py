@@ -63,6 +63,7 @@ SCHEMA: Mapping[str, Key] = MappingProxyType({
     "lease_ttl": Key(int, DEFAULT_LEASE_TTL_S, "backend"),
     "peer_probe": Key(int, 1, "backend"),
     "warm_start": Key(int, 1, "backend"),
+    "in_place": Key(int, 1, "backend"),
     # torchrun's LaunchConfig always adds `timeout` (--rdzv-timeout, 900 s by default); like torch's own
     # dynamic backends we ignore it: the join deadline is join_timeout.
     "timeout": Key(int, None, "torchrun"),

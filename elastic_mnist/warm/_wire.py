@@ -1,59 +1,73 @@
-"""What a worker's stand-in and the warm process say to each other: one request (a length, the worker's
-stdin/stdout/stderr as SCM_RIGHTS, then JSON), then JSON lines back ({"pid": N}, later {"exit": CODE}).
+"""What the agent's warm process, the workers' stand-ins and its forked workers say to each other.
 
-    python -c "from elastic_mnist.warm import _wire; print(_wire.new_address())"
+    python -c "from elastic_mnist.warm import _wire; print(_wire.check_request({}))"
 
-The socket is an abstract Unix socket: no file to remove, gone with the process that bound it, and local
-to the network namespace (each simulated host of `elastic-mnist local --hosts` has its own). It has no
-permissions, so the warm process serves only connections from its own user (SO_PEERCRED): that user can
-run anything as itself already.
+Every message is a 4-byte length and JSON; descriptors (SCM_RIGHTS) ride with the length.
+- A stand-in sends one request (`request_from_here`: its command, environment, directory, process settings)
+  with its stdin/stdout/stderr, and gets back {"pid": N} (or {"refused": why}: it starts cold), later
+  {"exit": CODE}.
+- The warm process and each worker it forked share a socketpair made at the fork: {"applied"} or
+  {"refused": why} (the worker's process settings, at once); {"ready"} (a worker started before its round
+  has built what it trains); {"attach": request} with the stand-in's descriptors, answered {"attached"} or
+  {"refused": why}; {"detach": code} (the round is over, the worker stays); {"end": why} (its agent ends).
+The socket is a path in the agent's private directory (0700, agent_link.py), and the warm process serves
+only its own user's processes that are children of its agent (SO_PEERCRED): torchrun's workers.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import struct
+import sys
 
 from elastic_mnist import procs
 
 ADDRESS_ENV = procs.WARM_ADDRESS_ENV
 STARTED_ENV = procs.STARTED_AT_ENV
+SOCKET_NAME = "warm.sock"
 STDIO = (0, 1, 2)
 _LEN = struct.Struct("!I")
-MAX_REQUEST = 1 << 22
+MAX_MESSAGE = 1 << 22
+MAX_PATH = 100  # sun_path holds 108 bytes: a longer agent directory gets no warm process
 
 
-def new_address() -> str:
-    return f"@elastic-mnist-warm-{os.getuid()}-{os.getpid()}-{secrets.token_hex(8)}"
+class WireError(ValueError):
+    """A message that is short, too long, or not the JSON object the protocol says."""
 
 
-def sockaddr(address: str) -> str:
-    return "\0" + address[1:] if address.startswith("@") else address
-
-
-def send_request(sock: socket.socket, request: dict) -> None:
-    payload = json.dumps(request).encode()
-    socket.send_fds(sock, [_LEN.pack(len(payload))], list(STDIO))
-    sock.sendall(payload)
-
-
-def recv_request(sock: socket.socket) -> tuple[dict, list[int]]:
-    """The request and the descriptors that came with it (the caller owns and closes them)."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, len(STDIO))
+def send(sock: socket.socket, message: dict, fds: tuple[int, ...] | list[int] = ()) -> bool:
+    """False when the other side is gone."""
+    payload = json.dumps(message).encode()
     try:
-        if len(head) != _LEN.size or len(fds) != len(STDIO):
-            raise ValueError("a short request")
+        socket.send_fds(sock, [_LEN.pack(len(payload))], list(fds))
+        sock.sendall(payload)
+        return True
+    except OSError:
+        return False
+
+
+def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
+    """One message and the descriptors that came with it (the caller owns them); EOFError when the other
+    side closed, WireError for anything else than a message of the protocol (descriptors closed)."""
+    head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, max_fds)
+    if not head and not fds:
+        raise EOFError
+    try:
+        if len(head) != _LEN.size:
+            raise WireError("a short message")
         (size,) = _LEN.unpack(head)
-        if size > MAX_REQUEST:
-            raise ValueError(f"a request of {size} bytes")
-        return json.loads(_recv_exact(sock, size)), fds
-    except BaseException:
+        if size > MAX_MESSAGE:
+            raise WireError(f"a message of {size} bytes")
+        message = json.loads(_recv_exact(sock, size))
+        if not isinstance(message, dict):
+            raise WireError("a message that is not a JSON object")
+        return message, fds
+    except (WireError, ValueError, OSError) as e:
         for fd in fds:
             os.close(fd)
-        raise
+        raise WireError(str(e)) from None
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -61,40 +75,51 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     while left:
         chunk = sock.recv(min(left, 1 << 16))
         if not chunk:
-            raise ValueError("the request ended early")
+            raise WireError("the message ended early")
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
 
 
-def send_line(sock: socket.socket, message: dict) -> bool:
-    """False when the other side is gone (a stand-in killed meanwhile)."""
-    try:
-        sock.sendall(json.dumps(message).encode() + b"\n")
-        return True
-    except OSError:
-        return False
+# What a request must hold, and as what: a request is refused with one line naming the first field that is
+# missing or of another type, never with a traceback in the warm process.
+_FIELDS = {"exe": str, "version": str, "argv": list, "path": list, "cwd": str, "env": dict, "target": dict,
+           "preload": list, "started": (int, float), "unbuffered": bool, "settings": dict}
 
 
-class Lines:
-    """JSON lines from a socket; `next()` is None once the other side closed."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buf = sock, b""
-
-    def next(self) -> dict | None:
-        while b"\n" not in self.buf:
-            try:
-                chunk = self.sock.recv(4096)
-            except OSError:
-                return None
-            if not chunk:
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
+def check_request(request: dict) -> str:
+    """"" when the request has the form a stand-in sends, else what is wrong with it."""
+    for name, kind in _FIELDS.items():
+        if not isinstance(request.get(name), kind):
+            return f"malformed request: {name!r} missing or not a {getattr(kind, '__name__', 'number')}"
+    target = request["target"]
+    if not (isinstance(target.get("module"), str) or isinstance(target.get("path"), str)):
+        return "malformed request: 'target' names no module and no path"
+    for name in ("argv", "path", "preload"):
+        if not all(isinstance(x, str) for x in request[name]):
+            return f"malformed request: {name!r} holds something other than strings"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items()):
+        return "malformed request: 'env' holds something other than strings"
+    return ""
 
 
-def peer_uid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[2]
+def request_from_here(preload: tuple[str, ...], started: float, settings: dict) -> dict:
+    """This process's command as a request: what a warm child needs to become it."""
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    target = {"module": spec.name} if spec is not None else {"path": os.path.abspath(main.__file__)}
+    return {"exe": sys.executable, "version": sys.version, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
+            "env": dict(os.environ), "target": target, "preload": list(preload), "started": started,
+            "unbuffered": bool(getattr(sys.stdout, "write_through", False)),  # python -u, or $PYTHONUNBUFFERED
+            "settings": settings}
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end (SO_PEERCRED)."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    return pid, uid
+
+
+def address_in(directory: str) -> str:
+    return os.path.join(directory, SOCKET_NAME)

@@ -1,7 +1,7 @@
 """The worker's side of a warm start: hand this process's command to the agent's warm process, then stand
 in for the child it forks until that child exits.
 
-    ELASTIC_MNIST_WARM=@ADDRESS python -m elastic_mnist.train ...   # torchrun sets the variable for its workers
+    ELASTIC_MNIST_WARM=DIR/warm.sock python -m elastic_mnist.train ...   # the agent sets it for its workers
 
 Without the variable, or when the warm process cannot take the request (gone, another interpreter, CUDA
 already initialised in it), `handoff()` returns and the worker starts cold, as if it had not been called.
@@ -18,11 +18,12 @@ import sys
 import time
 
 from elastic_mnist import exit_codes, procs
-from elastic_mnist.warm import _wire
+from elastic_mnist.warm import _wire, settings
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-REPLY_TIMEOUT_S = 120.0
-"""How long to wait for the child's pid: on a node's first start the warm process may still be importing."""
+REPLY_TIMEOUT_S = 900.0
+"""How long to wait for the worker's pid: on a node's first start the warm process may still be importing, or
+the worker started before its round still building (warm/agent.py READY_TIMEOUT_S)."""
 
 
 class _StandIn:
@@ -75,38 +76,34 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     stand_in = _StandIn()
     procs.set_parent_death_signal(signal.SIGHUP)  # our agent dies: the child stops with its group and saves
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lines, first = _wire.Lines(sock), None
+    first: dict = {}
     try:
         sock.settimeout(REPLY_TIMEOUT_S)
-        sock.connect(_wire.sockaddr(address))
-        _wire.send_request(sock, _request(preload, started))
-        first = lines.next()
-    except (OSError, ValueError):
+        sock.connect(address)
+        request = _wire.request_from_here(preload, started, settings.capture())
+        if _wire.send(sock, request, _wire.STDIO):
+            first, _ = _wire.receive(sock)
+    except (OSError, EOFError, _wire.WireError):
         pass
-    if not first or "pid" not in first:
+    if "pid" not in first:
         sock.close()
         stand_in.give_back()
-        if first and first.get("refused"):
+        if first.get("refused"):
             print(f"elastic-mnist warm start: starting cold: {first['refused']}", file=sys.stderr, flush=True)
         return
     sock.settimeout(None)
     stand_in.attach(int(first["pid"]))
-    _finish(_wait(lines, stand_in.pidfd))
+    _finish(_wait(sock, stand_in.pidfd))
 
 
-def _request(preload: tuple[str, ...], started: float) -> dict:
-    main = sys.modules["__main__"]
-    spec = getattr(main, "__spec__", None)
-    target = {"module": spec.name} if spec is not None else {"path": os.path.abspath(main.__file__)}
-    return {"exe": sys.executable, "version": sys.version, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
-            "env": dict(os.environ), "target": target, "preload": list(preload), "started": started,
-            "unbuffered": bool(getattr(sys.stdout, "write_through", False))}  # python -u, or $PYTHONUNBUFFERED
-
-
-def _wait(lines: _wire.Lines, pidfd: int) -> int:
-    """The child's exit status: a code, or minus the signal that ended it."""
-    message = lines.next()
-    if message is not None and "exit" in message:
+def _wait(sock: socket.socket, pidfd: int) -> int:
+    """The worker's exit status (a code, or minus the signal that ended it), or the code of its detach (an
+    in-place round is over and the worker stays for the next)."""
+    try:
+        message, _ = _wire.receive(sock)
+    except (OSError, EOFError, _wire.WireError):
+        message = {}
+    if "exit" in message:
         return int(message["exit"])
     # The warm process is gone (its agent died): its child stops on its own (parent-death signal); be
     # there until it is gone, so the agent's view of this worker ends when the worker does.

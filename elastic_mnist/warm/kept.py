@@ -1,0 +1,93 @@
+"""A worker that outlives its round (in-place rounds): what it says to its warm process, and how it takes over
+the stand-in torchrun starts for the next round.
+
+    torchrun --rdzv-backend=etcd-v3 ... -m elastic_mnist.train ...    # in_place=1 (the default): rounds in place
+
+torchrun ends its workers at every membership change and starts new ones. Under the etcd-v3 backend the
+process torchrun starts is only a stand-in (handoff.py); the worker that trains is a fork of the agent's warm
+process, and with in-place rounds it stays: at the end of a round it `detach`es (its stand-in exits with the
+code given), then `wait`s for the next round's stand-in, which the warm process hands over (`attach`: its
+descriptors, environment and settings become this process's), or for its node's end. The trainer decides what
+a round end means (worker/life.py); this module only carries the messages. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+
+from elastic_mnist.warm import _wire
+from elastic_mnist.warm.become import become, differences, let_go_of_stdio
+
+_SESSION: Session | None = None
+TICK_S = 0.2  # how often a waiting worker looks at its stop request (a signal's handler runs between waits)
+
+
+class Session:
+    def __init__(self, channel: socket.socket, request: dict, attached: bool) -> None:
+        self.channel, self.request, self.attached = channel, request, attached
+        self.built_from = request
+        """The request this process was built for: a later round's must describe the same worker."""
+
+    def ready(self) -> None:
+        """Built before its round: the agent may join now."""
+        _wire.send(self.channel, {"ready": True})
+
+    def detach(self, code: int) -> None:
+        """The round is over: the stand-in exits with `code`; this process stays for the next round."""
+        if self.attached:
+            self.attached = False
+            let_go_of_stdio()
+            _wire.send(self.channel, {"detach": code})
+
+    def wait(self, timeout_s: float, stopped) -> tuple[str, str]:
+        """Until the next round's stand-in is handed over ("attach", ""), the node ends ("end", why), a stop
+        signal comes ("stop", ""), the warm process is gone ("end", ...) or `timeout_s` passes ("timeout", "").
+        An attach that this process cannot take is ("refuse", why): the caller saves, then `refuse(why)`s."""
+        deadline = time.monotonic() + timeout_s
+        while not stopped():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout", ""
+            if not select.select([self.channel], [], [], min(TICK_S, left))[0]:
+                continue
+            try:
+                message, fds = _wire.receive(self.channel, len(_wire.STDIO))
+            except (EOFError, _wire.WireError, OSError):
+                return "end", "the warm process is gone (its agent ended)"
+            if "end" in message:
+                return "end", str(message["end"])
+            if "attach" in message:
+                return self._attach(message["attach"], fds)
+        return "stop", ""
+
+    def _attach(self, request, fds: list[int]) -> tuple[str, str]:
+        why = _wire.check_request(request) if isinstance(request, dict) else "malformed request"
+        why = why or (f"the round's worker differs from the one built here ({changed})"
+                      if (changed := differences(self.built_from, request)) else "")
+        if why:
+            for fd in fds:
+                os.close(fd)
+        why = why or become(request, fds)
+        if why:
+            return "refuse", why
+        self.request, self.attached = request, True
+        _wire.send(self.channel, {"attached": True})
+        return "attach", ""
+
+    def refuse(self, why: str) -> None:
+        """Say no to the stand-in just handed over (it is given a fresh worker); this process then exits."""
+        _wire.send(self.channel, {"refused": why})
+
+
+def install(channel: socket.socket, request: dict, attached: bool, in_place: bool) -> None:
+    """At the fork: this process's session with its warm process (kept only with in-place rounds)."""
+    global _SESSION
+    _SESSION = Session(channel, request, attached) if in_place else None
+
+
+def session() -> Session | None:
+    """The session of a worker that may outlive its round; None for any other process."""
+    return _SESSION
