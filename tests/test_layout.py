@@ -15,8 +15,9 @@ FLOORS = [
     {"local", "ops"},  # the launcher; the pod entry, preflight and status
     {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
     {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
-    {"config", "distributed", "metrics", "torchrun_settings", "warm"},  # warm: workers forked from a warm process
-    {"runlog", "procs", "files", "netprobe", "job_secret", "_torch_compat"},
+    # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
+    {"config", "distributed", "metrics", "torchrun_settings", "warm", "job_secret"},
+    {"runlog", "procs", "files", "netprobe", "_torch_compat"},
     {"errors", "exit_codes"},
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

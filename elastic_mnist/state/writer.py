@@ -16,7 +16,15 @@ import queue
 import threading
 from collections.abc import Callable
 
-from elastic_mnist.state.format import CheckpointError, decode, encode, list_checkpoints, path_for, write_durable
+from elastic_mnist.state.format import (
+    CheckpointError,
+    decode,
+    encode,
+    list_checkpoints,
+    path_for,
+    read_checkpoint,
+    write_durable,
+)
 
 CORRUPT_DIR = "corrupt"
 
@@ -35,8 +43,7 @@ class Verifier:
             st = os.stat(path)
             ident = (path, st.st_ino, st.st_size, st.st_mtime_ns)
             if ident not in self._known:
-                with open(path, "rb") as f:
-                    decode(f.read(), path, self.key)
+                decode(read_checkpoint(path), path, self.key)  # bounded: a FIFO or huge file is refused unread
                 self._known[ident] = None
             return self._known[ident]
         except (CheckpointError, OSError) as e:
