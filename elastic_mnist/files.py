@@ -123,27 +123,40 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def read_regular(path: str | os.PathLike, limit: int, what: str, fix: str, follow_symlinks: bool = False) -> bytes:
+def _open_regular(path: str, flags: int, what: str, fix: str, mode: int = 0o644) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of a regular file opened O_NONBLOCK (a FIFO or device never blocks the open); the
+    fd is closed and RefusedFile raised for anything else, and for a symlink when flags hold O_NOFOLLOW."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP and flags & os.O_NOFOLLOW:
+            raise RefusedFile(what, path, "is a symbolic link, which is not followed here", fix) from None
+        if e.errno == errno.ENXIO:  # a socket, a FIFO opened for writing without a reader, a device without a driver
+            raise RefusedFile(what, path, "is not a regular file (a socket, FIFO or device)", fix) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise RefusedFile(what, path, f"is {_kind(st.st_mode)}, not a regular file", fix)
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike, limit: int, what: str, fix: str, follow_symlinks: bool = False,
+                 owner_only: bool = False) -> bytes:
     """The bytes of `path` if it is a regular file of at most `limit` bytes; else RefusedFile, worded
-    "{what} {path} is {why}; {fix}". Opened O_NONBLOCK, so a FIFO or device in its place is refused at
+    "{what} {path} {why}; {fix}". Opened O_NONBLOCK, so a FIFO or device in its place is refused at
     once instead of blocking (or, like /dev/zero, never ending), and O_NOFOLLOW unless `follow_symlinks`
     (a path the operator named may be a symlink: Kubernetes projects a Secret's keys as symlinks into
     `..data/`, kubernetes pkg/volume/util/atomic_writer.go, AtomicWriter.createUserVisibleFiles).
-    Other OSErrors (missing, no permission) pass through unchanged."""
+    `owner_only`: also refused unless this user owns it and nobody else may read or write it (a credential
+    someone else could have planted or read). Other OSErrors (missing, no permission) pass through."""
     path = os.fspath(path)
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd, st = _open_regular(path, os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW), what, fix)
     try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow_symlinks:
-            raise RefusedFile(what, path, "is a symbolic link, which is not followed here", fix) from None
-        if e.errno == errno.ENXIO:  # a socket, or a device without a driver
-            raise RefusedFile(what, path, "is not a regular file (a socket or device)", fix) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RefusedFile(what, path, f"is {_kind(st.st_mode)}, not a regular file", fix)
+        if owner_only and st.st_uid != os.geteuid():
+            raise RefusedFile(what, path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})", fix)
+        if owner_only and st.st_mode & 0o077:
+            raise RefusedFile(what, path, f"has mode {st.st_mode & 0o777:04o}: others may read or change it", fix)
         if st.st_size > limit:
             raise RefusedFile(what, path, f"is {st.st_size:,} bytes, over its cap of {limit:,}", fix)
         data = _read_at_most(fd, st.st_size, limit)
@@ -165,3 +178,12 @@ def _read_at_most(fd: int, expected: int, limit: int) -> bytes:
         parts.append(chunk)
         total += len(chunk)
     return b"".join(parts)  # one part (the usual case) is returned as is, not copied
+
+
+def open_append(path: str | os.PathLike, what: str, fix: str, mode: int = 0o644) -> int:
+    """A file descriptor appending to the regular file `path` (created if missing), never through a symlink
+    and never to a FIFO or device planted in its place (RefusedFile)."""
+    path = os.fspath(path)
+    fd, _ = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, what, fix, mode)
+    os.set_blocking(fd, True)  # O_NONBLOCK only guarded the open; whoever gets the fd writes normally
+    return fd
