@@ -175,8 +175,11 @@ def iter_valid(directory: str, warn: Callable[[str], None] = print, key: bytes |
         try:
             blob = read_checkpoint(path)
             state = decode(blob, path, key)
-        except (CheckpointError, OSError) as e:
-            warn(f"warning: skipping checkpoint {path}: {e}")
+        except CheckpointError as e:  # its message starts with the path
+            warn(f"warning: skipping checkpoint {e}")
+            continue
+        except OSError as e:
+            warn(f"warning: skipping checkpoint {path}: {e.strerror or e}")
             continue
         _note_size(path, len(blob))
         yield step, path, blob, state
