@@ -1,7 +1,9 @@
 """Writing a file so that readers see the old content or the new, never half of it: the one helper
 that checkpoints (state/), the summary (metrics.py), the data cache (data/) and etcd's secrets use.
+And its mirror for readers, `read_regular`: a regular file of bounded size, or one line saying why not.
 
     python -c "from elastic_mnist.files import atomic_write; atomic_write('/tmp/x.json', '{}\\n')"
+    python -c "from elastic_mnist.files import read_regular; read_regular('/dev/zero', 64, 'a key', 'use a file')"
 
 The data goes to a fresh temporary file in the same directory (same filesystem, so the rename is
 atomic), opened O_EXCL|O_NOFOLLOW so a planted file or symlink is never written through; it is fsynced,
@@ -15,6 +17,7 @@ import errno
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Iterable
 
@@ -106,3 +109,87 @@ def atomic_create(path: str | os.PathLike, data: Data, mode: int = 0o644) -> boo
     """Like atomic_write, but never replaces an existing file: False (and nothing written) if path exists.
     A hard link publishes the complete temp file under the final name only if that name is free."""
     return write_then(path, data, mode, _link_if_free)
+
+
+class RefusedFile(OSError):
+    """A file a reader will not read (not a regular file, a symlink where none may be, over its cap).
+    An OSError, so every reader that already survives an unreadable file survives this one; str() is one
+    line naming the file, why and the fix (`why` alone: the reason, for a caller with its own wording)."""
+
+    def __init__(self, what: str, path: str, why: str, fix: str) -> None:
+        super().__init__(f"{what} {path} {why}; {fix}")
+        self.path, self.why = path, why
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _open_regular(path: str, flags: int, what: str, fix: str, mode: int = 0o644) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of a regular file opened O_NONBLOCK (a FIFO or device never blocks the open); the
+    fd is closed and RefusedFile raised for anything else, and for a symlink when flags hold O_NOFOLLOW."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP and flags & os.O_NOFOLLOW:
+            raise RefusedFile(what, path, "is a symbolic link, which is not followed here", fix) from None
+        if e.errno == errno.ENXIO:  # a socket, a FIFO opened for writing without a reader, a device without a driver
+            raise RefusedFile(what, path, "is not a regular file (a socket, FIFO or device)", fix) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise RefusedFile(what, path, f"is {_kind(st.st_mode)}, not a regular file", fix)
+    return fd, st
+
+
+def read_regular(path: str | os.PathLike, limit: int, what: str, fix: str, follow_symlinks: bool = False,
+                 owner_only: bool = False) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes; else RefusedFile, worded
+    "{what} {path} {why}; {fix}". Opened O_NONBLOCK, so a FIFO or device in its place is refused at
+    once instead of blocking (or, like /dev/zero, never ending), and O_NOFOLLOW unless `follow_symlinks`
+    (a path the operator named may be a symlink: Kubernetes projects a Secret's keys as symlinks into
+    `..data/`, kubernetes pkg/volume/util/atomic_writer.go, AtomicWriter.createUserVisibleFiles).
+    `owner_only`: also refused unless this user owns it and nobody else may read or write it (a credential
+    someone else could have planted or read). Other OSErrors (missing, no permission) pass through."""
+    path = os.fspath(path)
+    fd, st = _open_regular(path, os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW), what, fix)
+    try:
+        if owner_only and st.st_uid != os.geteuid():
+            raise RefusedFile(what, path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})", fix)
+        if owner_only and st.st_mode & 0o077:
+            raise RefusedFile(what, path, f"has mode {st.st_mode & 0o777:04o}: others may read or change it", fix)
+        if st.st_size > limit:
+            raise RefusedFile(what, path, f"is {st.st_size:,} bytes, over its cap of {limit:,}", fix)
+        data = _read_at_most(fd, st.st_size, limit)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # it grew while we read it
+        raise RefusedFile(what, path, f"grew past its cap of {limit:,} bytes while read", fix)
+    return data
+
+
+def _read_at_most(fd: int, expected: int, limit: int) -> bytes:
+    """Up to limit + 1 bytes: the size fstat gave in large reads, anything beyond it in small ones."""
+    parts, total = [], 0
+    while total <= limit:
+        want = expected - total if total < expected else 1 << 20
+        chunk = os.read(fd, min(want, limit + 1 - total, 1 << 30))
+        if not chunk:
+            break
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)  # one part (the usual case) is returned as is, not copied
+
+
+def open_append(path: str | os.PathLike, what: str, fix: str, mode: int = 0o644) -> int:
+    """A file descriptor appending to the regular file `path` (created if missing), never through a symlink
+    and never to a FIFO or device planted in its place (RefusedFile)."""
+    path = os.fspath(path)
+    fd, _ = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, what, fix, mode)
+    os.set_blocking(fd, True)  # O_NONBLOCK only guarded the open; whoever gets the fd writes normally
+    return fd

@@ -11,16 +11,22 @@ from __future__ import annotations
 import os
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.files import RefusedFile, read_regular
 
 SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
 MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096  # `openssl rand -hex 32` writes 65 bytes: 4 KiB holds any key, and no /dev/zero
+SECRET_FIX = "give a regular file holding the key, e.g. `openssl rand -hex 32 > FILE`"
 
 
 def read(path: str, source: str) -> bytes:
-    """The key in a file (surrounding whitespace, e.g. a trailing newline, is not part of it)."""
+    """The key in a file (surrounding whitespace, e.g. a trailing newline, is not part of it). A symlink is
+    followed (a Kubernetes Secret's keys are symlinks); anything but a regular file is refused unread."""
     try:
-        with open(path, "rb") as f:
-            key = f.read().strip()
+        key = read_regular(path, MAX_SECRET_BYTES, f"the rendezvous secret file (from {source})", SECRET_FIX,
+                           follow_symlinks=True).strip()
+    except RefusedFile as exc:
+        raise UserError(str(exc)) from None
     except OSError as exc:
         raise UserError(f"cannot read the rendezvous secret file {path!r} (from {source}): {exc.strerror}") from None
     if len(key) < MIN_SECRET_BYTES:

@@ -53,3 +53,50 @@ def test_atomic_create_never_replaces(tmp_path):
     assert files.atomic_create(path, "second\n", 0o600) is False
     assert path.read_text() == "first\n" and (path.stat().st_mode & 0o777) == 0o600
     assert os.listdir(tmp_path) == ["token"]
+
+
+# -- read_regular: the bounded reader --------------------------------------------------------------
+def _refused(path, limit=64, follow=False) -> str:
+    with pytest.raises(files.RefusedFile) as e:
+        files.read_regular(path, limit, "the thing", "do the fix", follow_symlinks=follow)
+    message = str(e.value)
+    assert message.startswith(f"the thing {path} ") and message.endswith("; do the fix") and "\n" not in message
+    return e.value.why
+
+
+def test_read_regular_reads_a_regular_file_up_to_its_cap(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 64)
+    assert files.read_regular(path, 64, "the thing", "fix") == b"x" * 64
+    assert _refused(path, limit=63) == "is 64 bytes, over its cap of 63"
+
+
+def test_read_regular_refuses_a_fifo_at_once_instead_of_blocking(tmp_path):
+    fifo = tmp_path / "ckpt-000000001.pt"
+    os.mkfifo(fifo)  # no writer: a plain open() would block forever
+    assert _refused(fifo) == "is a FIFO (named pipe), not a regular file"
+
+
+def test_read_regular_refuses_devices_directories_and_sockets(tmp_path):
+    import socket
+
+    assert _refused("/dev/zero", follow=True) == "is a character device, not a regular file"
+    assert _refused(tmp_path) == "is a directory, not a regular file"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    sock.close()
+    assert "not a regular file" in _refused(tmp_path / "sock")
+
+
+def test_read_regular_follows_a_symlink_only_when_asked(tmp_path):
+    (tmp_path / "target").write_bytes(b"key")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    assert _refused(tmp_path / "link") == "is a symbolic link, which is not followed here"
+    assert files.read_regular(tmp_path / "link", 64, "the thing", "fix", follow_symlinks=True) == b"key"
+    (tmp_path / "zero").symlink_to("/dev/zero")  # followed, the type is still checked
+    assert _refused(tmp_path / "zero", follow=True) == "is a character device, not a regular file"
+
+
+def test_read_regular_passes_other_errors_through(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        files.read_regular(tmp_path / "missing", 64, "the thing", "fix")

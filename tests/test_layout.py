@@ -15,9 +15,10 @@ FLOORS = [
     {"local", "ops"},  # the launcher; the pod entry, preflight and status
     {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
     {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
-    {"config", "distributed", "metrics", "torchrun_settings", "warm", "agent_link"},  # warm: workers forked from a
-    # warm process; agent_link: what an agent and its workers share
-    {"runlog", "procs", "files", "netprobe", "job_secret", "_torch_compat"},
+    # warm: workers forked from a warm process; agent_link: what an agent and its workers share; job_secret reads
+    # its file through files.read_regular
+    {"config", "distributed", "metrics", "torchrun_settings", "warm", "agent_link", "job_secret"},
+    {"runlog", "procs", "files", "netprobe", "_torch_compat"},
     {"errors", "exit_codes"},
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

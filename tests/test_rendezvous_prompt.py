@@ -33,8 +33,9 @@ from elastic_mnist.rendezvous import EtcdV3ConfigError
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness
+from elastic_mnist.rendezvous._ordered import put as put_ordered
 from elastic_mnist.rendezvous._prompt import LONG_AGO, RoundView
-from elastic_mnist.rendezvous._state import seal, verified
+from elastic_mnist.rendezvous._state import open_lineage
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "/torchelastic/v3"  # the default key_prefix
@@ -230,13 +231,15 @@ def test_beacons_are_published_sealed_and_removed(etcd: EtcdServer) -> None:
     own.publish("node-a")
     dead, directory = closed_address(), f"{PREFIX}/{run_id}/probe/"
     [(name, value)] = probe_keys(etcd, run_id).items()
-    address = verified(secret, directory + name, value).decode()  # sealed with the job's secret, for this key
+    address = open_lineage(secret, directory + name, value)[0].decode()  # sealed with the job's secret, for this key
     assert name == "node-a" and probe({name: address}).refused == set()
-    client = raw_client(etcd)
+    client, writer = raw_client(etcd), EtcdV3Client(EtcdConnectionSpec.parse(etcd.endpoint))
     client.put(directory + "forged", dead)  # someone without the secret: no proof of anything
-    client.put(directory + "sealed", seal(secret, directory + "sealed", dead.encode()))
-    client.put(directory + "copied", seal(secret, directory + "sealed", dead.encode()))  # bound to its key
+    [sealed] = put_ordered(writer, LeaseKeeper(writer, 0), "a node of the job", [(directory + "sealed", dead.encode())],
+                           secret)
+    client.put(directory + "copied", sealed)  # bound to its key
     client.close()
+    writer.close()
     observer = liveness(etcd, run_id, secret)
     assert observer.gone(["node-a", "forged", "sealed", "copied", "never-published"]) == {"sealed"}
     observer.forget("sealed")
@@ -275,7 +278,7 @@ def test_a_node_back_under_a_dead_nodes_name_is_not_dropped(etcd: EtcdServer) ->
 
 
 @pytest.mark.parametrize("value, message", [
-    ("2", "--rdzv-conf peer_probe must be 0 or 1, not '2'"),  # torchrun passes strings
+    ("2", "--rdzv-conf peer_probe='2' is out of range; give 0 or 1"),  # torchrun passes strings
     ("yes", "--rdzv-conf peer_probe='yes' is not an integer"),
 ])
 def test_bad_peer_probe_is_rejected_by_name_before_connecting(value: Any, message: str) -> None:

@@ -1,4 +1,5 @@
-"""What the job's secret covers beyond the HMAC of one state: store values, and replays of older states.
+"""What the job's secret covers beyond the HMAC of one state: store values, and replays of older states,
+store values and beacon reports.
 
     python -m pytest -q tests/test_sealing.py
 
@@ -19,7 +20,11 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
-from elastic_mnist.rendezvous._state import seal
+from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, run_key
+from elastic_mnist.rendezvous._lease import LeaseKeeper
+from elastic_mnist.rendezvous._liveness import PeerLiveness
+from elastic_mnist.rendezvous._partition import losing_side
+from elastic_mnist.rendezvous._state import seal, verified
 
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 60}
 
@@ -96,3 +101,65 @@ def test_the_rendezvous_is_not_fooled_by_a_replayed_round(tmp_path, etcd_server_
         with pytest.raises(RendezvousStateError, match="replay"):
             node.num_nodes_waiting()
         compat.stop_heartbeats(node)  # no keep-alive timer outlives the test's etcd
+
+
+def test_an_older_store_value_written_back_is_ignored(tmp_path, etcd_server_v3only: EtcdServer, capsys) -> None:
+    _, store = create_backend(rdzv_params(etcd_server_v3only.endpoint, "store-replay", secret_file=_secret(tmp_path)))
+    raw, key = raw_client(etcd_server_v3only), store.prefix + "counter"
+    assert store.add("counter", 1) == 1
+    old = raw.get(key)[0]
+    assert store.add("counter", 1) == 2
+    raw.put(key, old)  # the attacker puts the sealed "1" back: its HMAC still verifies for that key
+    assert not store.check(["counter"]), "an older value written back counts as absent"
+    assert "a replay" in capsys.readouterr().err
+    store.set("counter", "7")  # the job's next write goes over it
+    assert store.get("counter") == b"7"
+
+
+class _Agents:
+    """Three agents' beacons (A, B, C) of one job on a real etcd, as the backend runs them."""
+
+    def __init__(self, server: EtcdServer, secret: bytes) -> None:
+        self.client = EtcdV3Client(EtcdConnectionSpec.parse(server.endpoint))
+        self.live = {n: PeerLiveness(self.client, LeaseKeeper(self.client, 0), None, "cut", secret) for n in "ABC"}
+        for name, live in self.live.items():
+            live.publish(name)
+        self.key = run_key(None, "cut", "probe") + "/A"
+
+    def close(self) -> None:
+        for live in self.live.values():
+            live.close()
+        self.client.close()
+
+
+def test_a_report_written_back_after_the_cut_healed_is_ignored(tmp_path, etcd_server_v3only: EtcdServer) -> None:
+    """The attacker can write the job's etcd keys (the job credential) but has no secret."""
+    secret = b"s" * 32
+    agents, raw = _Agents(etcd_server_v3only, secret), raw_client(etcd_server_v3only)
+    a, c = agents.live["A"], agents.live["C"]
+    try:
+        a._note_unreachable({"B"})  # the cut: A cannot reach B and publishes it with its beacon
+        cut_report = raw.get(agents.key)[0]
+        assert c.read_reports() and c.reports["A"] == {"B"} and losing_side("ABC", c.reports) == {"B"}
+        a._note_unreachable(set())  # healed: A's report is empty again
+        raw.put(agents.key, cut_report)  # ... and the attacker writes the old report back
+        assert verified(secret, agents.key, cut_report), "the HMAC alone would admit it: same key, same secret"
+        c.read_reports()
+        assert "A" not in c.reports and losing_side("ABC", c.reports) == set(), "observer C ignores it"
+        a.read_reports()  # A's next look finds its key not holding what it wrote, and writes it again
+        assert raw.get(agents.key)[0] != cut_report
+        c.read_reports()
+        assert c.reports["A"] == frozenset() and losing_side("ABC", c.reports) == set()
+        # Deleted, then a report that was the key's very first value written back: etcd's metadata fits
+        # it (version 1), but C has seen later values of that key.
+        raw.delete(agents.key)
+        a._note_unreachable({"B"})  # publishes anew: the key's first value
+        first = raw.get(agents.key)[0]
+        a._note_unreachable(set())
+        c.read_reports()
+        raw.delete(agents.key)
+        raw.put(agents.key, first)
+        c.read_reports()
+        assert "A" not in c.reports and losing_side("ABC", c.reports) == set()
+    finally:
+        agents.close()

@@ -15,7 +15,9 @@ Writes go to a temporary file, fsynced, then renamed: a reader never sees half a
 
 Where: beside the data (`<data-dir>/MNIST/cache/`) when writable, else `$XDG_CACHE_HOME/elastic-mnist`
 (`~/.cache/elastic-mnist`), or the directory given by `cache_dir` / $ELASTIC_MNIST_CACHE_DIR.
-No writable place: the split is decoded as before, nothing is cached.
+No writable place: the split is decoded as before, nothing is cached. "Writable" is what the mode says,
+for root too: root passes every permission check, so a data dir made read-only (0555) would otherwise
+get a cache written into it (`writable`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -71,14 +74,26 @@ def cache_name(raw_dir: Path, train: bool) -> str:
     return f"mnist-{'train' if train else 'test'}-{key}.bin"
 
 
+def writable(directory: Path) -> bool:
+    """May we write in `directory` (or, where it does not exist yet, create it in its nearest existing
+    ancestor)? access(2) answers for everyone but root, who passes it on any mode: for root the mode
+    itself must allow a write (some write bit set), as a read-only data dir (0555) means "nobody writes"."""
+    existing = next((d for d in (directory, *directory.parents) if os.path.lexists(d)), None)
+    if existing is None or not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        return False  # not a directory (a file in the way), no permission, or a read-only mount (EROFS)
+    return os.geteuid() != 0 or bool(os.stat(existing).st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
 def _payload_bytes(n: int, row: int) -> tuple[int, int]:
     return n * row * 4, n * 8
 
 
 def open_cached(path: Path, raw_paths: list[Path], mean: float, std: float):
     """(images, labels) mapped from a valid cache of these raw files, else None."""
-    try:
-        with open(path, "rb") as f:
+    try:  # O_NONBLOCK|O_NOFOLLOW and fstat: a FIFO or symlink under the cache's name is refused, not waited on
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
             header = json.loads(f.read(HEADER_BYTES).rstrip(b"\0 \n"))
         if header.get("format") != FORMAT:
             return None
@@ -119,7 +134,7 @@ def write_cache(directory: Path, name: str, images: torch.Tensor, labels: torch.
     """Publish a cache atomically (temp file, fsync, rename); None when the directory is not writable."""
     header = json.dumps({"format": FORMAT, "n": len(labels), "row": images.shape[1],
                          "raw": raw_identity(raw_paths)}).encode()
-    if len(header) >= HEADER_BYTES:
+    if len(header) >= HEADER_BYTES or not writable(directory):
         return None
     try:
         directory.mkdir(parents=True, exist_ok=True)

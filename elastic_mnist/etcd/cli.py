@@ -5,7 +5,8 @@
         --data-dir ./etcd-data                                       # for other machines: auth + TLS
 
 --auth creates a root account with a generated password and a job user `elastic-mnist` that may only
-read and write /torchelastic/ keys (files beside the data dir, mode 0600, reused on restart), and
+read and write /torchelastic/ keys (files beside the data dir, mode 0600, reused on restart only while
+they are regular files of this user with mode 0600: anything else is refused, never overwritten), and
 prints the --rdzv-conf the nodes need. Listening beyond loopback without TLS or auth warns: whoever
 can reach the port could then read and rewrite every job's rendezvous.
 """

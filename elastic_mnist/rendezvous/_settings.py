@@ -19,9 +19,9 @@ from elastic_mnist.rendezvous.conf import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_OUTAGE_TIMEOUT_S,
-    HANDLER_KEYS,
     EtcdV3ConfigError,
     check_keys,
+    check_values,
     connection_spec,
 )
 
@@ -67,11 +67,9 @@ def _lease_ttl(params: RendezvousParameters) -> int:
 
 
 def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
-    """Validate params.config (unknown keys, numbers, TLS files, credentials) before any RPC."""
+    """Validate params.config (unknown keys, numbers and their ranges, TLS files, credentials) before any RPC."""
     check_keys(params.config)
-    for key in HANDLER_KEYS:  # torch would only fail on these later, mid-rendezvous
-        if _int_option(params, key, 1) <= 0:
-            raise EtcdV3ConfigError(f"--rdzv-conf {key} must be a positive integer")
+    check_values(params.config)  # every number in its key's range: torch would fail only mid-rendezvous
     prefix = str(params.get("key_prefix") or DEFAULT_KEY_PREFIX)
     try:
         run_key(prefix, params.run_id, "state")

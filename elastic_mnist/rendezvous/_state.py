@@ -146,11 +146,17 @@ def unseal(secret: bytes | None, key: str, stored: bytes) -> bytes:
 
 def unseal_state(secret: bytes | None, key: str, stored: bytes) -> tuple[bytes, Lineage | None]:
     """The checked pickle and the lineage it was sealed with (None: sealed without one, or no secret)."""
-    body, lineage = verified(secret, key, stored), None
-    if secret is not None and stored.startswith(LINEAGE_MAGIC):
-        lineage, body = Lineage(*_LINEAGE.unpack_from(body)), body[_LINEAGE.size:]
+    body, lineage = open_lineage(secret, key, stored)
     check_pickle(key, body)  # with a secret too, defense in depth: a leaked secret still cannot run code
     return body, lineage
+
+
+def open_lineage(secret: bytes | None, key: str, stored: bytes) -> tuple[bytes, Lineage | None]:
+    """What was sealed into `stored` (HMAC checked) and its lineage (None: sealed without one, or no secret)."""
+    body = verified(secret, key, stored)
+    if secret is not None and stored.startswith(LINEAGE_MAGIC):
+        return body[_LINEAGE.size:], Lineage(*_LINEAGE.unpack_from(body))
+    return body, None
 
 
 def _magic_of(stored: bytes) -> bytes | None:

@@ -19,7 +19,7 @@ from typing import Any
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._secrets import secret
 from elastic_mnist.rendezvous._state import NodeDesc, RendezvousState, decode_state, is_sealed, unseal
-from elastic_mnist.rendezvous.conf import SCHEMA, check_keys, connection_spec
+from elastic_mnist.rendezvous.conf import SCHEMA, check_keys, check_values, connection_spec
 
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
 __all__ = ["SCHEMA", "NodeDesc", "RendezvousState", "decode_state", "read_rendezvous_status"]
@@ -97,6 +97,7 @@ def read_rendezvous_status(endpoint: str, run_id: str, backend: str = "etcd-v3",
     """
     readers = {"etcd-v3": _read_etcd_v3, "etcd": _read_legacy_etcd}
     check_keys(conn)
+    check_values(conn)
     if backend not in readers:
         raise EtcdV3Error(f"status reads the etcd-v3 or etcd backends, not {backend!r}")
     result = readers[backend](endpoint, run_id, key_prefix, **conn)

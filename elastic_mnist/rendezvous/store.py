@@ -15,9 +15,10 @@ Read-modify-write operations (add, append, compare_set) are one etcd transaction
 mod_revision, retried on a lost race.
 
 With the job's secret (`secret_file`), every value is sealed like the rendezvous state: an HMAC over
-the etcd key and the value (_state.seal), so a value cannot be forged nor moved to another key. A
-value that does not verify is treated as absent (one warning names the key): a reader keeps waiting
-and gets the genuine value once a node of the job writes it, and a read-modify-write replaces it.
+the etcd key and the value, with its place in the key's etcd history (_ordered.py), so a value cannot be
+forged, moved to another key, or an older one written back. A value that does not verify is treated
+as absent (one warning names the key): a reader keeps waiting and gets the genuine value once a node
+of the job writes it, and a read-modify-write replaces it.
 Raising instead would let a value planted before the genuine one stop the agent. Without a secret,
 values are plain and the store trusts everyone who can write the prefix (docs/security.md).
 """
@@ -33,9 +34,11 @@ from typing import Any
 from torch.distributed import DistStoreError, Store
 
 from elastic_mnist._torch_compat import with_cpp_store_names
+from elastic_mnist.rendezvous import _ordered
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._lease import LeaseKeeper
-from elastic_mnist.rendezvous._state import StateIntegrityError, seal, verified
+from elastic_mnist.rendezvous._replay import StateReplayError
+from elastic_mnist.rendezvous._state import StateIntegrityError
 
 WATCH_RECHECK_S = 2.0
 
@@ -54,6 +57,7 @@ class EtcdV3Store(Store):
         super().__init__()  # required by the pybind trampoline
         self._client, self._secret = client, secret
         self._refused: set[bytes] = set()  # keys already warned about
+        self._order = _ordered.Order()
         self._lease = lease or LeaseKeeper(client, 0)
         self.prefix = prefix.rstrip("/") + "/"
         # Clones handed to C++ (PrefixStore.clone) are referenced only there, and the trampoline does not
@@ -72,40 +76,32 @@ class EtcdV3Store(Store):
         return twin
 
     # -- sealing ------------------------------------------------------------------------------
-    def _seal(self, k: bytes, value: bytes) -> bytes:
-        return seal(self._secret, k.decode("latin-1"), value)  # latin-1: any key bytes, one-to-one
-
-    def _open(self, k: bytes, stored: bytes | None) -> bytes | None:
-        """The value a node of this job wrote under k, or None (absent, or it does not verify)."""
-        if stored is None or self._secret is None:
-            return stored
+    def _open(self, k: bytes, kv: Any) -> bytes | None:
+        """The value a node of this job wrote under k, or None (absent, forged, or an older one put back)."""
+        if kv is None or self._secret is None:
+            return None if kv is None else kv.value  # without a secret, values are plain
         try:
-            return verified(self._secret, k.decode("latin-1"), stored)
-        except StateIntegrityError:
+            return self._order.open(self._secret, k, kv.value, kv)
+        except StateIntegrityError as exc:
+            why = str(exc) if isinstance(exc, StateReplayError) else \
+                "its HMAC does not verify with this job's secret (someone without it wrote it)"
             if k not in self._refused:
                 self._refused.add(k)
-                print(f"elastic-mnist etcd-v3: warning: ignoring the store value under {k.decode('latin-1')}: its "
-                      "HMAC does not verify with this job's secret (someone without it wrote it); waiting for the "
-                      "genuine value", file=sys.stderr, flush=True)
+                print(f"elastic-mnist etcd-v3: warning: ignoring the store value under {k.decode('latin-1')}: {why}; "
+                      "waiting for the genuine value", file=sys.stderr, flush=True)
             return None
 
     # -- writes ---------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
-        k = self._key(key)
-        v = self._seal(k, _bytes(value))
-        self._lease.run(f"set store key {key!r}", lambda c, lease: c.put(k, v, lease=lease))
+        _ordered.put(self._client, self._lease, f"set store key {key!r}", [(self._key(key), _bytes(value))],
+                     self._secret)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
         """All keys in one transaction: readers never see half of them."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        pairs = [(k, self._seal(k, _bytes(v))) for k, v in zip(map(self._key, keys), values)]
-
-        def txn(c: Any, lease: int | None) -> Any:
-            return c.transaction(compare=[], success=[c.transactions.put(k, v, lease=lease) for k, v in pairs],
-                                 failure=[])
-
-        self._lease.run(f"set store keys {keys}", txn)
+        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values)]
+        _ordered.put(self._client, self._lease, f"set store keys {keys}", pairs, self._secret)  # type: ignore[arg-type]
 
     def add(self, key: str, num: int) -> int:  # type: ignore[override]
         """Atomic increment; a missing key counts as 0."""
@@ -138,16 +134,15 @@ class EtcdV3Store(Store):
         race means another writer made progress, so re-read and retry at once. Returns what was written."""
         k = self._key(key)
         while True:
-            stored, meta = self._client.call(f"read store key {key!r}", lambda c: c.get(k))
-            new = change(self._open(k, stored))  # a value that does not verify counts as absent
+            revision, kv = _ordered.read(self._client, f"read store key {key!r}", k)
+            new = change(self._open(k, kv))  # a value that does not verify counts as absent
             if new is None:
                 return None
+            sealed = _ordered.seal(self._secret, k.decode("latin-1"), new, revision, kv)
 
-            def txn(c: Any, lease: int | None, new: bytes = new) -> tuple[bool, list[Any]]:
-                t = c.transactions
-                guard = t.create(k) == 0 if meta is None else t.mod(k) == meta.mod_revision
-                return c.transaction(compare=[guard], success=[t.put(k, self._seal(k, new), lease=lease)],
-                                     failure=[])
+            def txn(c: Any, lease: int | None, sealed: bytes = sealed, kv: Any = kv) -> tuple[bool, list[Any]]:
+                return c.transaction(compare=[_ordered.guard(c, k, kv)],
+                                     success=[c.transactions.put(k, sealed, lease=lease)], failure=[])
 
             if self._lease.run(f"update store key {key!r}", txn)[0]:
                 return new
@@ -199,7 +194,7 @@ class EtcdV3Store(Store):
         for k in keys:
             resp = self._client.call("read the store", lambda c, k=k: c.get_response(k))
             revision = resp.header.revision if revision is None else min(revision, resp.header.revision)
-            value = self._open(k, resp.kvs[0].value) if resp.kvs else None
+            value = self._open(k, resp.kvs[0] if resp.kvs else None)
             if value is not None:
                 found[k] = value
         return found, revision or 0

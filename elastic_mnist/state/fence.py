@@ -9,9 +9,16 @@ import json
 import os
 import time
 
+from elastic_mnist.files import read_regular
 from elastic_mnist.state.format import write_durable
 
 GENERATION_FILE = ".generation"
+RECORD_CAP = 64 * 1024  # both records are one JSON line of ~100 bytes
+
+
+def _record(directory: str, name: str):
+    """A record's JSON; a FIFO or huge file in its place is refused unread (an OSError, like no file)."""
+    return json.loads(read_regular(os.path.join(directory, name), RECORD_CAP, "record", "remove it"))
 
 
 def new_token() -> str:
@@ -34,9 +41,8 @@ def claim_generation(directory: str, world_size: int, token: str | None = None) 
 
 def generation_is(directory: str, token: str) -> bool:
     try:
-        with open(os.path.join(directory, GENERATION_FILE)) as f:
-            return json.load(f)["token"] == token
-    except (OSError, ValueError, KeyError):
+        return _record(directory, GENERATION_FILE)["token"] == token
+    except (OSError, ValueError, KeyError, TypeError):
         return True  # unreadable: no evidence of a newer group
 
 
@@ -51,8 +57,7 @@ def write_finished(directory: str, record: dict) -> None:
 def read_finished(directory: str) -> dict | None:
     """The completion record ({"step", "total_steps", "test_accuracy", "run_id", "time"}), or None."""
     try:
-        with open(os.path.join(directory, FINISHED_FILE)) as f:
-            record = json.load(f)
+        record = _record(directory, FINISHED_FILE)
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and "step" in record else None

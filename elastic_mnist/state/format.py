@@ -9,6 +9,9 @@ planted by someone without the secret is refused before it is unpickled. Written
 file, fsynced, then published under its name without replacing an existing one (a hard link, or
 elastic_mnist.state.publish's fallback on filesystems without them): a name, once it exists, always holds a
 complete, verified file, and a late writer (a node that woke from a freeze) can never replace it.
+
+Reading one is bounded (`read_checkpoint`): a regular file only (a FIFO or device named ckpt-*.pt is
+refused at once, before any digest could be checked), of at most `read_limit` bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ FORMAT_VERSION = 1
 KEYED_VERSION = 2
 _HEADER = struct.Struct(">8sI32s")
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+# A state is written from the same registered objects every time, so two files of one job differ by a few
+# counters and, before the first step, by the optimizer's moments (Adam: two per parameter, 3x the model's
+# bytes). STATE_GROWTH x the newest state this process wrote or verified in a directory leaves room for both.
+STATE_GROWTH = 8
+_REFUSED_FIX = "it is not a checkpoint this job wrote: move it out of the directory (nothing was read from it)"
+_known_sizes: dict[str, int] = {}  # directory -> bytes of the newest state written or verified there
 
 
 class CheckpointError(Exception):
@@ -94,6 +103,44 @@ def decode(blob: bytes, name: str = "checkpoint", key: bytes | None = None) -> d
     return state
 
 
+def available_memory() -> int:
+    """Bytes this process can still allocate: MemAvailable, less under a cgroup v2 memory limit (a pod)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            avail = avail if limit == "max" else min(avail, int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit visible: the machine's figure stands
+    return max(avail, 0)
+
+
+def read_limit(directory: str | None = None) -> int:
+    """The most bytes a state may hold to be read: STATE_GROWTH x the newest state this process wrote or
+    verified in `directory` (if any), and never over half the memory available now (decoding holds the
+    bytes and the tensors built from them at once, so a larger state could not be restored here anyway)."""
+    ceiling = available_memory() // 2
+    known = _known_sizes.get(os.path.abspath(directory), 0) if directory else 0
+    return min(ceiling, STATE_GROWTH * known) if known else ceiling
+
+
+def read_checkpoint(path: str, limit: int | None = None) -> bytes:
+    """The bytes of a checkpoint file, bounded (read_limit); CheckpointError naming why it is refused."""
+    limit = read_limit(os.path.dirname(path) or ".") if limit is None else limit
+    try:
+        return files.read_regular(path, limit, "checkpoint", _REFUSED_FIX)
+    except files.RefusedFile as e:
+        raise CheckpointError(f"{path}: {e.why}; {_REFUSED_FIX}") from None
+
+
+def _note_size(path: str, size: int) -> None:
+    _known_sizes[os.path.abspath(os.path.dirname(path) or ".")] = size
+
+
 def path_for(directory: str, step: int) -> str:
     return os.path.join(directory, f"ckpt-{step:09d}.pt")
 
@@ -137,19 +184,26 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     another writer completed."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
+    if _NAME.match(os.path.basename(path)):
+        _note_size(path, len(data))  # before the read-back that verifies it
     return files.write_then(path, data, 0o644, lambda tmp, final: publish.publish(tmp, final, replace))
 
 
 def iter_valid(directory: str, warn: Callable[[str], None] = print, key: bytes | None = None):
-    """(step, path, blob, state) of each checkpoint that verifies, newest first; a damaged one is
-    skipped with a warning naming it (and kept on disk)."""
+    """(step, path, blob, state) of each checkpoint that verifies, newest first; a damaged one, or one
+    refused unread (not a regular file, over read_limit), is skipped with a warning naming it (and kept)."""
     for step, path in list_checkpoints(directory):
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
-            yield step, path, blob, decode(blob, path, key)
-        except (CheckpointError, OSError) as e:
-            warn(f"warning: skipping checkpoint {path}: {e}")
+            blob = read_checkpoint(path)
+            state = decode(blob, path, key)
+        except CheckpointError as e:  # its message starts with the path
+            warn(f"warning: skipping checkpoint {e}")
+            continue
+        except OSError as e:
+            warn(f"warning: skipping checkpoint {path}: {e.strerror or e}")
+            continue
+        _note_size(path, len(blob))
+        yield step, path, blob, state
 
 
 def load_latest(directory: str, warn: Callable[[str], None] = print,

@@ -86,13 +86,25 @@ def agree_on_state(mine: Candidate | None, rank: int, world_size: int,
 
 
 # Bytes, not pickled objects, travel between ranks: what a peer sends is parsed as JSON or verified as a
-# checkpoint (checksum, weights_only), so nothing a peer sends can run code here.
+# checkpoint (checksum, weights_only), so nothing a peer sends can run code here. Nor can the size it
+# announces make a rank allocate without bound: an all-gathered message (an offer, an error line) is at most
+# MESSAGE_CAP, a broadcast state at most what this rank could read from its own disk (format.read_limit).
+MESSAGE_CAP = 1 << 20
+
+
+class TransferRefused(RuntimeError):
+    """A peer announced more bytes than this rank accepts; every rank of the group raises it together."""
+
+
 def _all_gather_bytes(data: bytes) -> list[bytes]:
     dev, world = group_device(), dist.get_world_size()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size)
     longest = max(int(s) for s in sizes)
+    if longest > MESSAGE_CAP or min(int(s) for s in sizes) < 0:  # every rank sees the same sizes: all raise
+        raise TransferRefused(f"a peer announced a {longest:,}-byte message during the state agreement, over the "
+                              f"cap of {MESSAGE_CAP:,}: not this package's protocol; check what runs on every node")
     mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
@@ -104,6 +116,13 @@ def _broadcast_bytes(data: bytes, src: int) -> bytes:
     dev = group_device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     dist.broadcast(size, src=src)
+    # The cap depends on each rank's free memory: agree on refusing, so no rank waits in the next broadcast.
+    limit = checkpoint.read_limit() if dist.get_rank() != src else int(size)
+    refused = torch.tensor([int(not 0 <= int(size) <= limit)], dtype=torch.int64, device=dev)
+    dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+    if int(refused):
+        raise TransferRefused(f"rank {src} announced a {int(size):,}-byte state, more than a rank of this group can "
+                              "hold (half its available memory): free memory on the nodes, or fewer per node")
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
     if dist.get_rank() == src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

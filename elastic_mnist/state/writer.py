@@ -24,6 +24,7 @@ from elastic_mnist.state.format import (
     encode,
     list_checkpoints,
     path_for,
+    read_checkpoint,
     write_durable,
     written_here,
 )
@@ -46,8 +47,7 @@ class Verifier:
             st = os.stat(path)
             ident = (path, st.st_ino, st.st_size, st.st_mtime_ns)
             if ident not in self._known:
-                with open(path, "rb") as f:
-                    decode(f.read(), path, self.key)
+                decode(read_checkpoint(path), path, self.key)  # bounded: a FIFO or huge file is refused unread
                 self._known[ident] = None
             return self._known[ident]
         except (CheckpointError, OSError) as e:
