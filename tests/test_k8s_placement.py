@@ -10,11 +10,16 @@ network policies.)
 
 from __future__ import annotations
 
+import base64
+import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import load_render
+import yaml
+from conftest import load_render, tool
 from k8s_manifests import all_containers, argv, container, find, mount_for, pod_spec, selects, trainer_job, workloads
 
 from elastic_mnist.ops import preflight
@@ -165,25 +170,61 @@ def test_the_default_rendering_runs_on_stock_kind(variants):
     assert "assumes" in assumes and "kind" in assumes and "no GPU" in assumes, assumes
 
 
-def _kind_section() -> str:
+def _kind_commands() -> list[str]:
+    """The kind section's bash block of docs/kubernetes.md, one command per entry (continuations joined)."""
     text = (REPO / "docs" / "kubernetes.md").read_text()
-    return text.split("## kind (the default)", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## kind (the default)", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [" ".join(c.split()) for c in block.replace("\\\n", " ").splitlines() if c.strip()]
 
 
-def test_the_documented_kind_commands_match_the_manifests(variants):
-    """docs/kubernetes.md's kind walk-through as far as it can run here: every file it applies exists, the
-    node image is a release the manifests validate for, and the Secret it creates has exactly the keys the
-    pods mount."""
-    section = _kind_section()
-    applied = re.findall(r"kubectl apply((?: -f \S+)+)", section)
-    for files in applied:
-        for path in files.split(" -f ")[1:]:
+def _command(commands: list[str], start: str) -> str:
+    (found,) = [c for c in commands if c.startswith(start)]
+    return found.split(" #", 1)[0]
+
+
+def _bash(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    path = f"{Path(tool('kubectl')).parent}{os.pathsep}{os.environ['PATH']}"
+    return subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env=dict(os.environ, PATH=path))
+
+
+def test_the_documented_kind_commands_run_as_far_as_this_machine_allows(variants, tmp_path):
+    """docs/kubernetes.md's kind walk-through: every file it applies exists; the node image is a release the
+    manifests validate for; the image is built with build arguments the Dockerfile has (CPU torch on a
+    plain Python); the Secret command, run by the real kubectl offline (--dry-run=client), makes a Secret
+    that validates and has exactly the keys the pods mount; the wait loop, run against Job objects, ends on
+    Complete and on Failed and goes on while the Job runs."""
+    commands = _kind_commands()
+    for command in (c for c in commands if c.startswith("kubectl apply")):
+        for path in re.findall(r"-f (\S+)", command):
             assert (REPO / path).exists(), path
-    (node,) = re.findall(r"kindest/node:v(\d+)\.(\d+)\.\d+", section)
+    (node,) = re.findall(r"kindest/node:v(\d+)\.(\d+)\.\d+", _command(commands, "kind create cluster"))
     assert (int(node[0]), int(node[1])) >= (1, 33)
-    created = set(re.findall(r"--from-literal=([a-z-]+)=", section))
-    docs = variants["kind"]
-    wanted = {i["key"] for w in workloads(docs) for v in pod_spec(w)["volumes"]
+    build = _command(commands, "docker build")
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    args = dict(re.findall(r"--build-arg (\w+)=(\S+)", build))
+    assert set(args) == {"BASE_IMAGE", "TORCH_INDEX_URL"} and all(f"ARG {k}=" in dockerfile for k in args)
+    assert re.fullmatch(r"python:3\.\d+-slim", args["BASE_IMAGE"]) and args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    secret_run = _bash(_command(commands, "kubectl -n elastic-mnist create secret") + " --dry-run=client -o yaml",
+                       tmp_path)
+    assert secret_run.returncode == 0, secret_run.stderr
+    secret = yaml.safe_load(secret_run.stdout)
+    (tmp_path / "secret.yaml").write_text(secret_run.stdout)
+    valid = subprocess.run([tool("kubernetes-validate"), "-k", "1.33.0", "--strict", "--quiet",
+                            str(tmp_path / "secret.yaml")], capture_output=True, text=True, timeout=120)
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    wanted = {i["key"] for w in workloads(variants["kind"]) for v in pod_spec(w)["volumes"]
               if v.get("secret", {}).get("secretName") == "elastic-mnist-etcd" for i in v["secret"]["items"]}
-    assert created == wanted == {"root-password", "job-password", "rdzv-secret"}
-    assert "--timeout=" in section.split("kubectl -n elastic-mnist wait", 1)[1].splitlines()[0]
+    assert set(secret["data"]) == wanted == {"root-password", "job-password", "rdzv-secret"}
+    assert len({base64.b64decode(v) for v in secret["data"].values()}) == 3, "three different random values"
+    loop = _command(commands, "until kubectl -n elastic-mnist get job trainer")
+    for conditions, ends in (([("SuccessCriteriaMet", "True"), ("Complete", "True")], True),
+                             ([("FailureTarget", "True"), ("Failed", "True")], True),
+                             ([("SuccessCriteriaMet", "True")], False), ([("Suspended", "False")], False)):
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "trainer", "namespace": "elastic-mnist"},
+               "status": {"conditions": [{"type": t, "status": v} for t, v in conditions]}}
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        probe = loop.split("until ", 1)[1].split("; do", 1)[0].replace(
+            "kubectl -n elastic-mnist get job trainer", "kubectl annotate --local -f job.json probe=1")
+        assert (_bash(probe, tmp_path).returncode == 0) is ends, conditions
