@@ -129,7 +129,8 @@ def drain(end: float) -> int:
         now = time.monotonic()
         if now >= end and not killed:
             killed = len(kill_descendants()) or 1
-            _say(f"processes still running {DRAIN_S:.0f}s after torchrun exited (or at the stop deadline): killed")
+            _say(f"killed {killed} process(es) still running after torchrun (at most {DRAIN_S:.0f}s, or the stop "
+                 "deadline)")
         if now >= end + _KILL_WAIT_S:
             return killed
         time.sleep(0.05)  # a bounded poll of our own children, at most DRAIN_S long
