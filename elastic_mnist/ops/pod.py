@@ -87,8 +87,8 @@ class Forwarder:
         if not self.started:
             _say(f"{name} before torchrun started: nothing to save, exit {exit_codes.killed_by(signum)}")
             os._exit(exit_codes.killed_by(signum))
-        _say(f"{name}: passed on to torchrun (the workers save at their next step); everything ends within "
-             f"{self.stop_s:.0f}s")
+        what = "torchrun has ended" if self.done else "passed on to torchrun (the workers save at their next step)"
+        _say(f"{name}: {what}; everything ends within {self.stop_s:.0f}s")
         self.timer = threading.Timer(self.stop_s, self._stop_deadline)
         self.timer.daemon = True
         self.timer.start()
