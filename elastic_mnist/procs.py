@@ -52,6 +52,17 @@ def launcher_pid() -> int:
     return int(given) if given.isdigit() else os.getppid()
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the one orphans of its descendants are handed to (as they would be to a
+    container's PID 1), so that it can wait for them and reap them. False where the kernel cannot."""
+    if not _LINUX:
+        return False
+    return _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
 def die_with_parent_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A Popen preexec_fn: the child gets `sig` when the parent dies (no orphans from a killed test)."""
     if not _LINUX:

@@ -1,12 +1,13 @@
 """Trainer pod objects as the API server returns them (the fields the kubelet, scheduler and pod GC set),
 for the start watchdog's tests (tests/test_startwatch.py) and the Job policy model (tests/test_k8s_policy.py).
-Shapes follow `kubectl get pod -o json` of an Indexed Job's pod: preflight init container, trainer container."""
+Shapes follow `kubectl get pod -o json` of an Indexed Job's pod: preflight init container, trainer container;
+events follow `kubectl get events -o json` (the kubelet's FailedMount)."""
 
 from __future__ import annotations
 
 import copy
 
-from elastic_mnist.ops.startwatch import format_time, parse_time
+from elastic_mnist.ops.startrules import format_time, parse_time
 
 T0 = parse_time("2026-12-01T12:00:00Z")  # the pod's creation
 NAMESPACE = "elastic-mnist"
@@ -29,7 +30,7 @@ def running(name: str, since: float) -> dict:
 
 def pod(name: str = "trainer-0-x7k2p", uid: str = "5b0f6a3e-0000-4000-8000-000000000001", phase: str = "Pending",
         init: list[dict] | None = None, containers: list[dict] | None = None, started: float | None = T0 + 2,
-        conditions: list[dict] | None = None, deleting: bool = False) -> dict:
+        conditions: list[dict] | None = None, deleting: bool = False, node: str | None = "gpu-node-1") -> dict:
     """A scheduled trainer pod (started: when the kubelet took it; None: not yet on a node)."""
     meta = {"name": name, "namespace": NAMESPACE, "uid": uid, "creationTimestamp": format_time(T0),
             "labels": {"app.kubernetes.io/component": "trainer", "app.kubernetes.io/instance": "mnist",
@@ -44,7 +45,8 @@ def pod(name: str = "trainer-0-x7k2p", uid: str = "5b0f6a3e-0000-4000-8000-00000
         status["initContainerStatuses"] = init
     if containers is not None:
         status["containerStatuses"] = containers
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+    spec = {"nodeName": node} if node and started is not None else {}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec, "status": status}
 
 
 def stuck(reason: str, container: str = "preflight", message: str = "", **kw) -> dict:
@@ -80,3 +82,38 @@ def terminated_after_delete(p: dict, condition: dict | None) -> dict:
         if "terminated" not in s["state"]:
             s["state"] = {"terminated": dict(unknown)}
     return p
+
+
+SECRET_MISSING = 'MountVolume.SetUp failed for volume "etcd-credentials" : secret "elastic-mnist-etcd" not found'
+KEY_MISSING = 'MountVolume.SetUp failed for volume "etcd-credentials" : references non-existent secret key: rdzv-secret'
+MOUNT_TIMEOUT = ("MountVolume.SetUp failed for volume \"pvc-1\" : rpc error: code = DeadlineExceeded desc = "
+                 "context deadline exceeded")
+
+
+def mounting(**kw) -> dict:
+    """Scheduled, every container waiting behind a volume that does not mount (Init:0/1, PodInitializing)."""
+    return pod(init=[waiting("preflight", "PodInitializing")], containers=[waiting("trainer", "PodInitializing")],
+               **kw)
+
+
+def mount_event(p: dict, message: str, last: float) -> dict:
+    """The kubelet's FailedMount event for pod p, last seen at `last` (events are aggregated: count, last)."""
+    meta = p["metadata"]
+    return {"apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": "FailedMount", "message": message,
+            "count": 7, "lastTimestamp": format_time(last), "source": {"component": "kubelet"},
+            "involvedObject": {"kind": "Pod", "namespace": meta["namespace"], "name": meta["name"], "uid": meta["uid"]}}
+
+
+def exited(container: str, code: int, node: str = "gpu-node-1", finished: float = T0 + 80, reason: str = "Error",
+           conditions: list[dict] | None = None, **kw) -> dict:
+    """A Failed pod: its preflight (or, after a passed preflight, its trainer) exited with `code`."""
+    init = [terminated("preflight", code if container == "preflight" else 0, finished, reason)]
+    app = [waiting("trainer", "PodInitializing")] if container == "preflight" else \
+        [terminated("trainer", code, finished, reason)]
+    cond = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": format_time(T0 + 1)}] + (conditions or [])
+    return pod(phase="Failed", init=init, containers=app, conditions=cond, node=node, **kw)
+
+
+def disruption(reason: str = "TerminationByKubelet") -> dict:
+    """The DisruptionTarget condition a preemption, eviction, drain, node shutdown or node loss adds."""
+    return {"type": "DisruptionTarget", "status": "True", "reason": reason, "lastTransitionTime": format_time(T0 + 70)}

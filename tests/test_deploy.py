@@ -75,6 +75,19 @@ def test_base_image_is_pinned_and_carries_the_tested_torch():
     assert pins["torchvision"] == base_version(torchvision.__version__)
 
 
+def test_a_cpu_build_installs_the_same_torch_from_the_index_it_is_given():
+    """kind has no GPU: the documented build (docs/kubernetes.md, README) puts the CPU build of the tested
+    torch on a plain Python; the default build keeps the CUDA base's torch. One pinned install either way."""
+    args = dict(a.split("=", 1) for kind, a in DOCKER if kind == "ARG" and "=" in a)
+    assert args["TORCH_INDEX_URL"] == '""', "empty by default: pip's own index"
+    (run,) = [rest for kind, rest in DOCKER if kind == "RUN" and "torch==" in rest]
+    assert '--index-url "$TORCH_INDEX_URL"' in run and run.count(f"torch=={base_version(torch.__version__)} ") == 2
+    for doc in (REPO / "README.md", REPO / "docs" / "kubernetes.md"):
+        text = doc.read_text().replace("\\\n", " ")
+        build = next(line for line in text.splitlines() if line.startswith("docker build") and "BASE_IMAGE" in line)
+        assert "--build-arg BASE_IMAGE=python:3" in build and "--build-arg TORCH_INDEX_URL=" in build, doc.name
+
+
 def test_image_runs_the_pod_entry_process_as_a_non_root_user():
     entry = [rest for kind, rest in DOCKER if kind == "ENTRYPOINT"]
     # `elastic-mnist pod` (PID 1, signal forwarding, finished-job exit) runs torchrun.

@@ -281,7 +281,7 @@ def test_etcd_release_and_api(variant, variants):
     # torchrun's built-in backend needs the v2 API; the native one must work without it.
     assert env["ETCD_ENABLE_V2"] == ("true" if ns.rdzv_backend == "etcd" else "false")
     replicas = etcd["spec"]["replicas"]
-    assert replicas == (3 if variant == "etcd-ha" else 1)
+    assert replicas == (3 if variant in ("etcd-ha", *CLOUD_VARIANTS) else 1), "etcd-ha: the cloud variants' default"
     members = dict(m.split("=", 1) for m in env["ETCD_INITIAL_CLUSTER"].split(","))
     headless = find(docs, "Service", etcd["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
@@ -362,7 +362,8 @@ def test_trainer_is_an_elastic_indexed_job(variant, variants):
     assert spec["successPolicy"] == {"rules": [{"succeededCount": 1}]}
     rules = spec["podFailurePolicy"]["rules"]
     ignore = [r for r in rules if r["action"] == "Ignore" and "onPodConditions" in r]
-    assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    assert ignore == [{"action": "Ignore", "onPodConditions": [{"type": kind, "status": "True"}]}
+                      for kind in ("DisruptionTarget", "elastic-mnist.io/NodeAvoided")]
     assert rules[0] == ignore[0], "a disruption is ignored whatever the exit codes say"
     assert preflight.PERMANENT == exit_codes.PERMANENT != exit_codes.TRANSIENT, "preflight exits with the shared codes"
     assert preflight.NODE_LOCAL == exit_codes.NODE_LOCAL not in (exit_codes.PERMANENT, exit_codes.TRANSIENT)
@@ -466,14 +467,18 @@ def test_k8s_dir_has_no_placeholder():
 
 
 def _documented_kind_tags(text: str) -> tuple[set[str], set[str]]:
+    """The tags the documented `docker build -t` produces, and those the documented `docker image save` +
+    `kind load image-archive` put on the node (the archive saved is the one loaded)."""
     built = set(re.findall(r"docker build [^\n]*?-t (\S+)", text))
-    loaded = set(re.findall(r"kind load docker-image (\S+)", text))
+    saved = dict(re.findall(r"docker image save [^\n]*?-o (\S+) (\S+)", text))
+    loaded = {saved.get(archive) for archive in re.findall(r"kind load image-archive (\S+)", text)}
     return built, loaded
 
 
 def test_k8s_image_is_the_one_the_documented_build_produces(committed):
     """`kubectl apply -f k8s` on kind works only if k8s/ names the tag that the documented
-    `docker build -t` produces and `kind load docker-image` loads, and the kubelet never pulls it."""
+    `docker build -t` produces and the documented archive loads onto the node, and the kubelet never
+    pulls it."""
     images = {(c["image"], c["imagePullPolicy"]) for w in workloads(committed) for c in all_containers(w)
               if "etcd:" not in c["image"] and w["metadata"]["name"] != "startwatch"}  # a stock Python image
     assert len(images) == 1, images
@@ -481,7 +486,8 @@ def test_k8s_image_is_the_one_the_documented_build_produces(committed):
     assert policy == "IfNotPresent" and not image.endswith(":latest") and "/" not in image, image
     for doc in (REPO / "README.md", REPO / "docs" / "kubernetes.md"):
         built, loaded = _documented_kind_tags(doc.read_text())
-        assert image in built and image in loaded, f"{doc.name}: build {built}, kind load {loaded}; k8s/ has {image}"
+        assert image in built and loaded == {image}, f"{doc.name}: build {built}, kind load {loaded}; k8s/ has {image}"
+        assert not re.search(r"^kind load docker-image", doc.read_text(), re.M), "fails on containerd's image store"
 
 
 def test_default_claims_work_on_a_single_node_local_path_class(committed):
@@ -556,8 +562,12 @@ def test_trainer_pod_is_built_for_preemption(variant, variants):
         assert keys == spot[variant]
     else:
         assert keys == set().union(*spot.values())
-    assert "requiredDuringSchedulingIgnoredDuringExecution" not in spec["affinity"]["nodeAffinity"], \
-        "spot is a preference: on-demand nodes are used when there is no spot capacity"
+    required = spec["affinity"]["nodeAffinity"].get("requiredDuringSchedulingIgnoredDuringExecution")
+    # Spot is a preference: on-demand nodes are used when there is no spot capacity. The only requirement
+    # is to avoid a node marked bad for this job (tests/test_startwatch_k8s.py), and none on one node.
+    expressions = [e for t in (required or {}).get("nodeSelectorTerms", []) for e in t["matchExpressions"]]
+    assert [(e["key"].split("/")[0], e["operator"]) for e in expressions] == (
+        [] if variant in SINGLE_NODE_VARIANTS else [("avoid.elastic-mnist.io", "DoesNotExist")])
     spot_taints = {"gke": "cloud.google.com/gke-spot", "aks": "kubernetes.azure.com/scalesetpriority"}
     assert tolerated - {"nvidia.com/gpu"} == ({spot_taints[variant]} if variant in spot_taints else set())
 
@@ -566,8 +576,13 @@ def test_trainer_pod_is_built_for_preemption(variant, variants):
 def test_cloud_variants_use_a_shared_storage_class_of_their_cloud(variant, variants):
     docs = variants[variant]
     claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
-    expected = {"gke": "standard-rwx", "eks": "elastic-mnist-efs", "aks": "azurefile-csi-nfs"}.get(variant)
+    expected = {"gke": "standard-rwx", "eks": "elastic-mnist-efs", "aks": "elastic-mnist-azurefile-nfs"}.get(variant)
     assert [c["spec"].get("storageClassName") for c in claims] == ([expected] if claims else [])
+    if variant == "aks":
+        # AKS builds in SMB classes only (azurefile-csi, azurefile-csi-premium): the NFS one is shipped.
+        sc = find(docs, "StorageClass", expected)
+        assert sc["provisioner"] == "file.csi.azure.com" and sc["parameters"] == {"protocol": "nfs",
+                                                                                  "skuName": "Premium_LRS"}
     if variant == "eks":
         sc = find(docs, "StorageClass", "elastic-mnist-efs")
         run_as = pod_spec(trainer_job(docs))["securityContext"]
@@ -636,6 +651,8 @@ def _outside(rules: list[dict], side: str) -> list[dict]:
     return [peer for rule in rules for peer in rule.get(side, [{}]) if set(peer) != {"podSelector"}]
 
 
+LINK_LOCAL_DNS = {"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}, {"ipBlock": {"cidr": "169.254.20.10/32"}}],
+                  "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
 DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
             "podSelector": {"matchExpressions": [{"key": "k8s-app", "operator": "In", "values": ["kube-dns"]}]}}
 
@@ -659,7 +676,12 @@ def test_network_policies_match_the_pods(variant, variants):
     assert _peers(e_in, "from", pods, ports["client"]) == {"trainer"}
     assert _peers(e_in, "from", pods, ports["peer"]) == {"etcd"} and not _outside(e_in, "from")
     assert _peers(e_out, "to", pods, ports["peer"]) == {"etcd"}
-    assert _outside(e_out, "to") == [DNS_PEER]
+    # GKE's Cloud DNS answers on the metadata server's address and NodeLocal DNSCache on 169.254.20.10:
+    # port 53 only there (the metadata API on port 80 stays closed).
+    link_local = [LINK_LOCAL_DNS] if variant == "gke" else []
+    assert _outside(e_out, "to") == [DNS_PEER, *LINK_LOCAL_DNS["to"]] if link_local else [DNS_PEER]
+    for rule in (r for r in e_out + policies["trainer"]["spec"]["egress"] if r["to"] == LINK_LOCAL_DNS["to"]):
+        assert rule == LINK_LOCAL_DNS
     t_in, t_out = policies["trainer"]["spec"]["ingress"], policies["trainer"]["spec"]["egress"]
     assert _peers(t_in, "from", pods, 0) == {"trainer"} and not _outside(t_in, "from")
     assert _peers(t_out, "to", pods, 0) == {"trainer"}
@@ -669,7 +691,7 @@ def test_network_policies_match_the_pods(variant, variants):
         assert outside == [DNS_PEER, {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}}]
         assert [r["ports"] for r in t_out if "ipBlock" in r["to"][0]] == [[{"protocol": "TCP", "port": 443}]]
     else:
-        assert outside == [DNS_PEER], "trainers reach nothing outside the cluster"
+        assert outside == [DNS_PEER, *(LINK_LOCAL_DNS["to"] if link_local else [])], "nothing outside the cluster"
     dns = next(r for r in t_out + e_out if r["to"] == [DNS_PEER])
     assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
     if "tensorboard" in pods:

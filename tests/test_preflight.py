@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from conftest import REPO, worker_env
 
 from elastic_mnist.etcd.server import free_port
-from elastic_mnist.ops import preflight
+from elastic_mnist.ops import nodecheck, preflight
 from elastic_mnist.ops.preflight import NODE_LOCAL, PERMANENT, TRANSIENT, parse_launch, run_checks
 
 
@@ -87,9 +88,35 @@ def test_nccl_without_a_gpu_is_node_local(small_mnist, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm is Linux's")
 def test_an_unwritable_dev_shm_is_node_local(small_mnist, tmp_path, monkeypatch):
-    monkeypatch.setattr(preflight, "SHM", str(tmp_path / "no-shm"))  # a /dev/shm that is not there
+    monkeypatch.setattr(nodecheck, "SHM", str(tmp_path / "no-shm"))  # a /dev/shm that is not there
     code, lines = checks(launch_for("127.0.0.1:1", small_mnist, tmp_path / "ckpt"))
     assert code == NODE_LOCAL and failed(lines)[0].startswith("preflight: shm: FAILED (this node"), lines
+
+
+OLD_DRIVER = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 30 2025\nGCC version:  gcc 12\n"
+NEW_DRIVER = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder)\n"
+
+
+def test_the_driver_is_read_from_the_kernel_module_and_checked_against_the_images_cuda():
+    assert "driver 570 is older than CUDA 13.0 (this image) needs (580 or newer)" in \
+        nodecheck.driver_problem(OLD_DRIVER, "13.0")
+    assert nodecheck.driver_problem(NEW_DRIVER, "13.0") is None and nodecheck.driver_problem(OLD_DRIVER, "12.8") is None
+    assert nodecheck.driver_problem("", "13.0") is None and nodecheck.driver_problem(OLD_DRIVER, None) is None
+
+
+def test_a_node_with_an_old_driver_is_node_local_and_holds_its_exit(small_mnist, tmp_path, monkeypatch):
+    """The node's driver named in one line, exit 69 after $ELASTIC_MNIST_NODE_LOCAL_HOLD_S (the start
+    watchdog marks the node meanwhile), whatever torch makes of the missing device."""
+    version = tmp_path / "version"
+    version.write_text(OLD_DRIVER)
+    monkeypatch.setattr(nodecheck, "NVIDIA_VERSION", str(version))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv(preflight.HOLD_ENV, "0.3")
+    start = time.monotonic()
+    code, lines = checks(launch_for("127.0.0.1:1", small_mnist, tmp_path / "ckpt", "--backend=nccl"))
+    assert code == NODE_LOCAL and time.monotonic() - start >= 0.3, lines
+    assert failed(lines) == [failed(lines)[0]] and "preflight: device: FAILED (this node, exit 69)" in failed(lines)[0]
+    assert "NVIDIA driver 570" in failed(lines)[0] and lines[-1].startswith("preflight: holding 0s before exit 69")
 
 
 @pytest.mark.gpu

@@ -98,14 +98,17 @@ def test_the_pod_passes_only_the_first_sigterm_on_to_torchrun():
 
     child = subprocess.Popen([sys.executable, "-c", _COUNTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
+    forwarder = None
     try:
         assert child.stdout.readline() == "ready\n"
-        forwarder = Forwarder()
-        forwarder.child = child.pid
+        forwarder = Forwarder(stop_s=3600)
+        forwarder.started, forwarder.child = True, child.pid  # torchrun runs: a signal is passed on, not our end
         _send(signal.SIGTERM)
         assert child.stdout.readline() == "term\n"  # handled: a second one cannot merge with it
         _send(signal.SIGTERM)
         out, _ = child.communicate("", timeout=30)  # stdin closed after both signals were sent
     finally:
         child.kill()
+        if forwarder and forwarder.timer:
+            forwarder.timer.cancel()  # its stop deadline would kill this process's children
     assert forwarder.received == signal.SIGTERM and out == "1\n", "one SIGTERM reached torchrun"

@@ -6,16 +6,21 @@
 Takes torchrun's arguments word for word and adds what a pod needs around it:
   - SIGTERM (or SIGINT) at any moment reaches torchrun at once. torchrun as PID 1 would ignore it until
     its workers start (PID 1 has no default signal actions), so a pod deleted during start-up sat out
-    its whole grace period. Not tini: this process must understand the job anyway (below), and as
-    PID 1 it reaps the orphans tini would (workers whose agent died).
+    its whole grace period. Before torchrun starts there is nothing to save: the pod exits at once.
+  - It is the container's reaper (PID 1, or a child subreaper when run elsewhere): orphans are handed
+    to it, and after torchrun exits it waits for the container's remaining processes (a warm process,
+    workers finishing a save) for at most DRAIN_S, so that a save in flight is not cut by the end of
+    the container.
+  - After a SIGTERM everything ends within $ELASTIC_MNIST_STOP_S (default STOP_S): what is still
+    running then is killed and the pod exits 143 itself, before the kubelet's SIGKILL at the end of the
+    grace period would turn a slow stop into 137 (which the Job reads as an out-of-memory kill).
   - A pod that arrives after the job finished (a replacement, a late node) exits 0 with one line, from
     the finished.json rank 0 writes. One that finds the rendezvous closed without it (a node gave up;
     torchrun would fail with RendezvousClosedError on both backends, and every replacement again)
     exits 78 with one line: the Job fails at once and a re-applied Job resumes from the checkpoint.
-  - The completion index is not checked against --nnodes: the Job has spare indexes (completions 8,
-    parallelism 1..4) so that a lost index is replaced; its admission policy bounds parallelism.
-Exit: torchrun's code, 0 when the job already finished, 78 on a configuration mistake or a closed
-rendezvous.
+Exit: 0 when the job finished (also when stopped at its end); 128+N after signal N that this process
+passed on to torchrun (torchrun itself exits 1 on SIGTERM: torch raises SignalException out of its
+launcher); 78 on a configuration mistake or a closed rendezvous; else torchrun's code.
 """
 
 from __future__ import annotations
@@ -24,45 +29,124 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 from elastic_mnist import exit_codes, procs
 from elastic_mnist.errors import UserError
 from elastic_mnist.ops.preflight import Launch, closed_line, finished_line, parse_launch
 
+STOP_ENV = "ELASTIC_MNIST_STOP_S"
+STOP_S = 50.0  # after a SIGTERM: torchrun's shutdown (30 s by default) plus DRAIN_S, with a margin
+DRAIN_S = 15.0  # after torchrun exits: how long the container's other processes may take to end
+_KILL_WAIT_S = 5.0  # after SIGKILL: a process stuck in the kernel (a hung NFS write) is left to the container's end
+
+
+def _say(line: str) -> None:
+    """One line on stdout with a plain write: safe inside a signal handler, whatever print() was doing."""
+    os.write(1, f"elastic-mnist pod: {line}\n".encode())
+
+
+def kill_descendants() -> list[int]:
+    """SIGKILL every process below this one; their pids."""
+    me, killed = os.getpid(), []
+    for pid in procs.descendants(me):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed
+
 
 class Forwarder:
-    """Signal handlers that pass SIGTERM/SIGINT on to the child, remembering one that came first.
+    """Signal handlers that pass SIGTERM/SIGINT on to torchrun, remembering the first, and end everything
+    `stop_s` after it.
 
     Only the first is passed on: torchrun's agent answers every SIGTERM by raising in whatever it is
     doing, so a second one (a VM shutting down signals us and torchrun at once, and we forward) cuts
     short its wait for the workers' save and leaves them to die with this container."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_s: float = STOP_S) -> None:
         self.child: int | None = None
+        self.started = False  # torchrun is being started or runs: a signal must reach it, not end us
+        self.done = False  # torchrun was reaped: its pid may belong to someone else now
         self.received: int | None = None
+        self.forwarded: int | None = None
+        self.stop_s, self.deadline = stop_s, float("inf")
+        self.timer: threading.Timer | None = None  # ends everything at the stop deadline
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame) -> None:
         if self.received is not None:
             return
-        self.received = signum
+        self.received, self.deadline = signum, time.monotonic() + self.stop_s
+        name = signal.Signals(signum).name
+        if not self.started:
+            _say(f"{name} before torchrun started: nothing to save, exit {exit_codes.killed_by(signum)}")
+            os._exit(exit_codes.killed_by(signum))
+        what = "torchrun has ended" if self.done else "passed on to torchrun (the workers save at their next step)"
+        _say(f"{name}: {what}; everything ends within {self.stop_s:.0f}s")
+        self.timer = threading.Timer(self.stop_s, self._stop_deadline)
+        self.timer.daemon = True
+        self.timer.start()
         self.forward()
 
     def forward(self) -> None:
-        if self.child is not None and self.received is not None:
+        if self.child is not None and self.received is not None and not self.done and self.forwarded is None:
             try:
                 os.kill(self.child, self.received)
+                self.forwarded = self.received
             except ProcessLookupError:
                 pass
 
+    def _stop_deadline(self) -> None:
+        killed = kill_descendants()
+        if killed:
+            _say(f"still running {self.stop_s:.0f}s after the signal: killed {len(killed)} process(es)")
 
-def _wait(pid: int) -> int:
-    """The child's exit code; as PID 1 also reaps every orphan that is handed to us meanwhile."""
+
+def _reap_until(pid: int) -> int:
+    """The child's exit code; reaps every orphan that is handed to us meanwhile."""
     while True:
-        reaped, status = os.waitpid(-1 if os.getpid() == 1 else pid, 0)
+        reaped, status = os.waitpid(-1, 0)
         if reaped == pid:
             return os.waitstatus_to_exitcode(status)
+
+
+def drain(end: float) -> int:
+    """Reap the container's remaining processes until none is left or `end` (monotonic); then SIGKILL
+    them. Returns how many had to be killed."""
+    killed = 0
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0]:
+                continue
+        except ChildProcessError:
+            return killed
+        now = time.monotonic()
+        if now >= end and not killed:
+            killed = len(kill_descendants()) or 1
+            _say(f"killed {killed} process(es) still running after torchrun (at most {DRAIN_S:.0f}s, or the stop "
+                 "deadline)")
+        if now >= end + _KILL_WAIT_S:
+            return killed
+        time.sleep(0.05)  # a bounded poll of our own children, at most DRAIN_S long
+
+
+def exit_code(code: int, forwarded: int | None, finished: bool) -> int:
+    """The pod's exit code from torchrun's, the signal passed on to torchrun while it ran (None: none)
+    and whether the job finished. A stop we passed on ends as 128+N whatever torchrun made of it (1 from
+    its SignalException, 0 from workers that stopped, 137 from our own stop deadline), so that the Job's
+    policy reads a stop as a stop; a configuration mistake (78) keeps its code."""
+    code = exit_codes.killed_by(-code) if code < 0 else code
+    if forwarded is None:
+        return code
+    if finished:
+        return exit_codes.OK
+    return code if code == exit_codes.PERMANENT else exit_codes.killed_by(forwarded)
 
 
 def _verdict(launch: Launch, config) -> int | None:
@@ -78,8 +162,17 @@ def _verdict(launch: Launch, config) -> int | None:
     return None
 
 
+def _stop_s() -> float:
+    value = os.environ.get(STOP_ENV, "")
+    try:
+        return float(value) if value else STOP_S
+    except ValueError:
+        raise UserError(f"${STOP_ENV}={value!r} is not a number of seconds") from None
+
+
 def run(argv: list[str]) -> int:
-    forwarder = Forwarder()  # first: a SIGTERM during the checks below must end us, not be lost
+    forwarder = Forwarder(_stop_s())  # first: a SIGTERM during the checks below must end us, not be lost
+    procs.become_subreaper()
     if "-m" not in argv:
         raise UserError("expected torchrun's arguments, then -m MODULE and its flags")
     module = argv[argv.index("-m") + 1]
@@ -90,20 +183,20 @@ def run(argv: list[str]) -> int:
     verdict = _verdict(launch, config)
     if verdict is not None:
         return verdict
-    if forwarder.received:
-        return exit_codes.killed_by(forwarder.received)
-    torchrun_args = argv[:argv.index("-m")]
-    child = subprocess.Popen(procs.torchrun_command(torchrun_args, launch.train_args, module), env=procs.child_env(),
-                             preexec_fn=procs.die_with_parent_preexec(signal.SIGTERM))
+    forwarder.started = True
+    child = subprocess.Popen(procs.torchrun_command(argv[:argv.index("-m")], launch.train_args, module),
+                             env=procs.child_env(), preexec_fn=procs.die_with_parent_preexec(signal.SIGTERM))
     forwarder.child = child.pid
-    forwarder.forward()  # a signal that arrived between the check above and Popen
-    code = _wait(child.pid)
-    child.returncode = code  # reaped by us: keep Popen from waiting again
-    if code != 0 and forwarder.received is None:
+    forwarder.forward()  # a signal that arrived while Popen started torchrun
+    code = _reap_until(child.pid)
+    forwarder.done, child.returncode = True, code  # reaped by us: keep Popen from waiting again
+    drain(min(time.monotonic() + DRAIN_S, forwarder.deadline))
+    if code != 0 and forwarder.forwarded is None:
         verdict = _verdict(launch, config)
         if verdict is not None:
             return verdict
-    return code if code >= 0 else exit_codes.killed_by(-code)
+    finished = forwarder.forwarded is not None and finished_line(config.checkpoint_dir, config.max_steps) is not None
+    return exit_code(code, forwarder.forwarded, finished)
 
 
 def main(argv: list[str] | None = None) -> int:

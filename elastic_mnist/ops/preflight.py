@@ -9,8 +9,10 @@ One line per check. Exit 0: all good, or the job already finished (nothing to do
 the shared volume, etcd's API), or (rendezvous closed before the job finished) start a new Job; the
 Job's podFailurePolicy fails the Job on it. Exit 69 (NODE_LOCAL): this node lacks something another
 node may have (no CUDA device for nccl, the checkpoint dir not writable from here, no usable
-/dev/shm); the podFailurePolicy fails this pod's index only. Exit 75 (TRANSIENT): etcd still
-unreachable after --wait seconds of retrying with backoff.
+/dev/shm, a GPU driver too old for the image's CUDA); the podFailurePolicy fails this pod's index only,
+and with $ELASTIC_MNIST_NODE_LOCAL_HOLD_S set the exit waits that long, so that the start watchdog marks
+the node before a replacement could land there. Exit 75 (TRANSIENT): etcd still unreachable after --wait
+seconds (600: longer than the rendezvous backend rides out an outage) of retrying with backoff.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -30,6 +31,7 @@ from pathlib import Path
 from elastic_mnist.config import parse_args
 from elastic_mnist.errors import UserError
 from elastic_mnist.exit_codes import NODE_LOCAL, OK, PERMANENT, TRANSIENT, killed_by
+from elastic_mnist.ops.nodecheck import NodeLocal, check_device, check_shm
 from elastic_mnist.rendezvous.conf import CONNECTION_KEYS, SCHEMA, parse_conf
 
 __all__ = ["NODE_LOCAL", "PERMANENT", "SCHEMA", "TRANSIENT", "Launch",
@@ -38,14 +40,11 @@ __all__ = ["NODE_LOCAL", "PERMANENT", "SCHEMA", "TRANSIENT", "Launch",
 BACKENDS = ("etcd-v3", "etcd")
 # What preflight reads from --rdzv-conf: how to reach etcd, and the secret the state is sealed with.
 CONN_KEYS = (*CONNECTION_KEYS, "secret_file")
+HOLD_ENV = "ELASTIC_MNIST_NODE_LOCAL_HOLD_S"
 
 
 class Permanent(Exception):
     """A check failed in a way no retry fixes; the message names the cause and the fix."""
-
-
-class NodeLocal(Exception):
-    """A check failed because of this node (its devices, its mounts); a pod on another node may pass."""
 
 
 class Transient(Exception):
@@ -74,7 +73,7 @@ def parse_launch(argv: list[str]) -> Launch:
     p.add_argument("--rdzv-id", "--rdzv_id", default="")
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="")
     p.add_argument("--nnodes", default="1:4")
-    p.add_argument("--wait", type=float, default=300.0, help="seconds to keep retrying an unreachable etcd")
+    p.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying an unreachable etcd")
     launcher, train = (argv[:argv.index("-m")], argv[argv.index("-m") + 2:]) if "-m" in argv else (argv, None)
     ns, rest = p.parse_known_args(launcher)
     if ns.rdzv_backend not in BACKENDS:
@@ -152,36 +151,6 @@ def check_checkpoints(config) -> str:
     return f"{config.checkpoint_dir} writable, publish by {method}"
 
 
-def check_device(config) -> str:
-    if config.backend != "nccl":
-        return f"--backend {config.backend}: no GPU needed"
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        raise NodeLocal("--backend nccl but no CUDA device is visible on this node; the container must "
-                        "request nvidia.com/gpu (or use --backend gloo, as the kind variant does)")
-    return f"{torch.cuda.device_count()} CUDA device(s), {torch.cuda.get_device_name(0)}"
-
-
-SHM = "/dev/shm"
-
-
-def check_shm(config) -> str:
-    """torch's shared-memory tensors, NCCL and the in-memory snapshots live in /dev/shm (Linux)."""
-    shm = SHM
-    if not sys.platform.startswith("linux"):
-        return f"{sys.platform}: no {shm} to check"
-    probe = Path(shm) / f".preflight-{os.getpid()}-{os.urandom(4).hex()}"
-    try:
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as e:
-        raise NodeLocal(f"{shm} is not writable on this node ({e.strerror or e}); mount a memory-backed "
-                        "emptyDir there") from None
-    free = shutil.disk_usage(shm).free
-    return f"{shm} writable, {free // 2**20} MiB free"
-
-
 def check_etcd(launch: Launch) -> str:
     return (_check_etcd_v3 if launch.backend == "etcd-v3" else _check_etcd_v2)(launch)
 
@@ -243,8 +212,22 @@ def run_checks(launch: Launch, say=print) -> int:
             return PERMANENT
         except NodeLocal as e:
             say(f"preflight: {name}: FAILED (this node, exit {NODE_LOCAL}): {e}")
+            _hold(say)
             return NODE_LOCAL
     return _wait_for_etcd(launch, say)
+
+
+def _hold(say) -> None:
+    """Stay running $ELASTIC_MNIST_NODE_LOCAL_HOLD_S before a node-local exit: the pod is not terminal yet,
+    so the Job creates no replacement until the start watchdog has had two sweeps to mark this node."""
+    try:
+        hold = float(os.environ.get(HOLD_ENV) or 0)
+    except ValueError:
+        say(f"preflight: ${HOLD_ENV}={os.environ[HOLD_ENV]!r} is not a number of seconds: exiting without holding")
+        return
+    if hold > 0:
+        say(f"preflight: holding {hold:.0f}s before exit {NODE_LOCAL}, so that this node is marked first")
+        time.sleep(hold)  # a bounded wait for an outside actor (the watchdog), not synchronization
 
 
 def _wait_for_etcd(launch: Launch, say) -> int:

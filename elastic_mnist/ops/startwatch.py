@@ -1,21 +1,30 @@
-"""Start watchdog: ends trainer pods that can never start, so that the Job's podFailurePolicy sees them.
+"""Start watchdog: ends trainer pods that can never start, reports those that wait for capacity, and keeps
+trainers off a node that failed one of them node-locally.
 
     python3 startwatch.py --selector app.kubernetes.io/component=trainer,app.kubernetes.io/instance=mnist \
-        --deadline 900 --pending-deadline 1800
+        --deadline 900 --pending-deadline 0 --avoid-label avoid.elastic-mnist.io/mnist --node-local-exit preflight:69
 
-Runs in the cluster (deploy/kustomize/base/startwatch.yaml) from a stock Python image with this file in a
-ConfigMap, so an unpullable project image cannot block it: standard library only, no elastic_mnist import.
-A pod waiting on a configuration error (an image that cannot be pulled, a missing Secret or ConfigMap key)
-never becomes terminal by itself, so no failure policy sees it and a scheduled one holds its GPU. Every
---interval seconds this lists the job's pods; one waiting on such an error for --deadline seconds gets the
-condition CONDITION (a message naming the reason and the fix, PATCH pods/status), then is deleted (uid
-precondition). The kubelet keeps a condition it does not own (pkg/kubelet/status/status_manager.go,
-mergePodStatus: `!kubetypes.PodConditionByKubelet(c.Type)`) and marks the deleted pod Failed
-(TerminatePod, "Marking terminal pod as failed"); an unscheduled one is marked Failed by the pod GC
-(pkg/controller/podgc/gc_controller.go, gcUnscheduledTerminating -> markFailedAndDeletePod, which keeps
-the status' conditions). The Job's FailIndex rule on the condition then ends that index.
-An unschedulable pod is ended only after --pending-deadline AND when no trainer of the job has run for as
-long: an elastic job runs smaller when capacity is short, so a pending pod beside running peers is normal.
+Runs in the cluster (deploy/kustomize/base/startwatch.yaml) from a stock Python image with this file and
+startrules.py (its decisions) in a ConfigMap, so an unpullable project image cannot block it: standard
+library only, no elastic_mnist import when run so.
+A pod that waits on an image it cannot pull, a missing Secret, ConfigMap, key or claim never becomes
+terminal by itself, so no failure policy sees it. Every --interval seconds this lists the job's pods (and
+the kubelet's FailedMount events: a volume that cannot be mounted leaves the containers waiting in
+PodInitializing, with no reason of their own). A pod it ends gets a condition (PATCH pods/status: a
+message naming the cause and the fix) and is deleted (uid precondition); the Job's podFailurePolicy acts
+on the condition (deploy/kustomize/base/trainer.yaml). The kubelet keeps a condition it does not own
+(pkg/kubelet/status/status_manager.go, mergePodStatus) and marks the deleted pod Failed (TerminatePod); an
+unscheduled one is marked Failed by the pod GC (pkg/controller/podgc/gc_controller.go,
+gcUnscheduledTerminating -> markFailedAndDeletePod, which keeps the status' conditions).
+  - STUCK (FailIndex) after --deadline: an image pull error, or a volume that fails to mount (this node).
+  - CANNOT_START (FailJob) after --deadline with no trainer running as long: a missing object (Secret,
+    ConfigMap, key, claim, an unbound claim); while trainers run, such a pod is only reported (WAITING).
+  - CANNOT_START after --pending-deadline unschedulable with no trainer running (0: never; the spot
+    variants wait for capacity). Before that, after --report-after, it is reported (WAITING).
+  - NODE_AVOIDED (Ignore): a pending pod on a node marked for this job, so its index starts elsewhere.
+A failed pod whose --node-local-exit container exited with that code marks its node with the label
+--avoid-label (value: the time), which the trainers' required node affinity avoids; marks expire after
+--avoid-for (a non-numeric value set by hand never does).
 """
 
 from __future__ import annotations
@@ -30,27 +39,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
-CONDITION = "elastic-mnist.io/StartDeadlineExceeded"
-IMAGE_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"})
-CONFIG_REASONS = IMAGE_REASONS | {"CreateContainerConfigError"}
+if __package__:  # imported as elastic_mnist.ops.startwatch (the tests)
+    from elastic_mnist.ops import startrules as rules
+else:  # run as a script from its ConfigMap: startrules.py lies beside it (also under `python3 -I`)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import startrules as rules  # type: ignore[no-redef]
+
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-FIX = {
-    "image": "the image cannot be pulled on this node: check its name and digest, the registry credentials "
-             "(imagePullSecrets) and that nodes reach the registry; fix it and re-apply the Job",
-    "config": "a Secret or ConfigMap (or a key in it) that the pod mounts or reads is missing: create it "
-              "(docs/kubernetes.md); the next pod of the index picks it up",
-    "pending": "no node can take the pod (GPU capacity, quota, taints): add capacity or lower parallelism",
-}
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What to do with one pod: the waiting reason, how long it waited, the message for the condition."""
-    reason: str
-    waited: float
-    message: str
 
 
 @dataclass(frozen=True)
@@ -62,80 +58,31 @@ class Request:
     content_type: str = "application/json"
 
 
-def parse_time(stamp: str | None) -> float | None:
-    """An RFC 3339 API timestamp (2026-12-01T16:00:00Z) as epoch seconds."""
-    if not stamp:
-        return None
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).astimezone(timezone.utc).timestamp()
-
-
-def format_time(now: float) -> str:
-    return datetime.fromtimestamp(int(now), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _statuses(status: dict) -> list[dict]:
-    return status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
-
-
-def _waiting_since(pod: dict) -> float | None:
-    """The pod's last progress: when the kubelet took it, or the latest init container finish after that
-    (a container waits from the moment the one before it ended, not from the pod's start)."""
-    status = pod.get("status", {})
-    times = [parse_time(status.get("startTime"))]
-    times += [parse_time(s.get("state", {}).get("terminated", {}).get("finishedAt")) for s in _statuses(status)]
-    known = [t for t in times if t is not None]
-    return max(known) if known else None
-
-
-def _condition(pod: dict, kind: str) -> dict:
-    return next((c for c in pod.get("status", {}).get("conditions", []) if c.get("type") == kind), {})
-
-
-def _quoted(state: dict) -> str:
-    """The kubelet's or scheduler's own message, in parentheses (cut: a condition message is for people)."""
-    message = (state.get("message") or "")[:300]
-    return f" ({message})" if message else ""
-
-
-def is_running(pod: dict) -> bool:
-    return pod.get("status", {}).get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
-
-
-def decide(pod: dict, now: float, deadline: float, pending_deadline: float, peers_ran_at: float) -> Verdict | None:
-    """Whether to end this pod now: a pure function of the pod object, the time, the two deadlines (0: off)
-    and the last time any trainer of the job was seen running (peers_ran_at)."""
-    status = pod.get("status", {})
-    if pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Pending":
-        return None  # only Pending pods can be stuck before start; terminal and running ones are the Job's
-    since = _waiting_since(pod)
-    for s in _statuses(status):
-        waiting = s.get("state", {}).get("waiting", {})
-        if waiting.get("reason") in CONFIG_REASONS and deadline > 0 and since is not None and now - since >= deadline:
-            fix = FIX["image" if waiting["reason"] in IMAGE_REASONS else "config"]
-            return Verdict(waiting["reason"], now - since, f"container {s['name']} waited {now - since:.0f}s in "
-                           f"{waiting['reason']}{_quoted(waiting)}: {fix}")
-    scheduled = _condition(pod, "PodScheduled")
-    created = parse_time(pod["metadata"].get("creationTimestamp"))
-    if scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable" or created is None:
-        return None
-    idle = now - max(created, peers_ran_at)  # how long the job has had no running trainer, this pod pending
-    if pending_deadline > 0 and idle >= pending_deadline:
-        return Verdict("Unschedulable", now - created, f"pending unschedulable {now - created:.0f}s with no trainer "
-                       f"of the job running{_quoted(scheduled)}: {FIX['pending']}")
-    return None
-
-
 def list_request(namespace: str, selector: str) -> Request:
-    query = urllib.parse.urlencode({"labelSelector": selector})
-    return Request("GET", f"/api/v1/namespaces/{namespace}/pods?{query}")
+    return Request("GET", f"/api/v1/namespaces/{namespace}/pods?{urllib.parse.urlencode({'labelSelector': selector})}")
 
 
-def condition_patch(pod: dict, verdict: Verdict, now: float) -> Request:
+def events_request(namespace: str) -> Request:
+    query = urllib.parse.urlencode({"fieldSelector": "involvedObject.kind=Pod,reason=FailedMount"})
+    return Request("GET", f"/api/v1/namespaces/{namespace}/events?{query}")
+
+
+def nodes_request(label: str) -> Request:
+    return Request("GET", f"/api/v1/nodes?{urllib.parse.urlencode({'labelSelector': label})}")
+
+
+def label_request(node: str, label: str, value: str | None) -> Request:
+    """Set (or with None remove) one label of a node: a JSON merge patch touches nothing else."""
+    return Request("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {label: value}}},
+                   "application/merge-patch+json")
+
+
+def condition_patch(pod: dict, verdict: rules.Verdict, now: float) -> Request:
     """A strategic merge patch of pods/status: conditions merge by type, so the others stay. The uid in the
     patch makes it fail on a pod that was replaced under the same name (uid is immutable)."""
     meta = pod["metadata"]
-    condition = {"type": CONDITION, "status": "True", "reason": verdict.reason, "message": verdict.message,
-                 "lastTransitionTime": format_time(now)}
+    condition = {"type": verdict.condition, "status": "True", "reason": verdict.reason, "message": verdict.message,
+                 "lastTransitionTime": rules.format_time(now)}
     return Request("PATCH", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
                    {"metadata": {"uid": meta["uid"]}, "status": {"conditions": [condition]}},
                    "application/strategic-merge-patch+json")
@@ -166,34 +113,64 @@ class Api:
 
 
 def log(event: str, **fields) -> None:
-    print(json.dumps({"time": format_time(time.time()), "event": event, **fields}), flush=True)
+    print(json.dumps({"time": rules.format_time(time.time()), "event": event, **fields}), flush=True)
 
 
-def act(api: Api, pod: dict, verdict: Verdict, now: float, dry_run: bool) -> None:
-    name = pod["metadata"]["name"]
-    fields = {"pod": name, "uid": pod["metadata"]["uid"], "reason": verdict.reason, "waited_s": round(verdict.waited)}
-    if dry_run:
-        log("start-deadline", action="none (dry run)", message=verdict.message, **fields)
-        return
+def _send_all(api: Api, requests: list[Request], what: str, dry_run: bool, **fields) -> None:
     try:
-        api.send(condition_patch(pod, verdict, now))
-        api.send(delete_request(pod))
+        for req in [] if dry_run else requests:
+            api.send(req)
     except urllib.error.HTTPError as e:  # 404/409: gone or replaced meanwhile; anything else: next sweep
-        log("start-deadline", action=f"failed: HTTP {e.code} {e.reason}", **fields)
+        log(what, action=f"failed: HTTP {e.code} {e.reason}", **fields)
         return
-    log("start-deadline", action=f"marked {CONDITION} and deleted", message=verdict.message, **fields)
+    log(what, action="none (dry run)" if dry_run else "done", **fields)
+
+
+def act(api: Api, pod: dict, verdict: rules.Verdict, now: float, dry_run: bool) -> None:
+    if not verdict.end and rules.condition_of(pod, verdict.condition).get("reason") == verdict.reason:
+        return  # reported already
+    requests = [condition_patch(pod, verdict, now)] + ([delete_request(pod)] if verdict.end else [])
+    _send_all(api, requests, "ended" if verdict.end else "reported", dry_run, pod=pod["metadata"]["name"],
+              uid=pod["metadata"]["uid"], condition=verdict.condition, reason=verdict.reason,
+              waited_s=round(verdict.waited), message=verdict.message)
+
+
+def mark_nodes(api: Api, pods: list[dict], marks: dict[str, str], opts, now: float) -> None:
+    """Mark the node of each new node-local failure; drop the marks that expired."""
+    for pod in (p for p in pods if rules.node_local_failure(p, opts.node_local_exit)):
+        node = pod["spec"]["nodeName"]
+        done = rules.Verdict(rules.NODE_MARKED, "NodeMarked", 0.0, f"node {node} marked {opts.avoid_label}={int(now)}")
+        _send_all(api, [label_request(node, opts.avoid_label, str(int(now))), condition_patch(pod, done, now)],
+                  "node-marked", opts.dry_run, node=node, pod=pod["metadata"]["name"], label=opts.avoid_label,
+                  clear=f"kubectl label node {node} {opts.avoid_label}-")
+    for node, value in marks.items():
+        if rules.expired(value, now, opts.avoid_for):
+            _send_all(api, [label_request(node, opts.avoid_label, None)], "node-unmarked", opts.dry_run, node=node)
 
 
 def sweep(api: Api, opts: argparse.Namespace, peers_ran_at: float, now: float) -> float:
     """One pass; returns the updated time a trainer was last seen running."""
     pods = api.send(list_request(opts.namespace, opts.selector)).get("items", [])
-    if any(is_running(p) for p in pods):
+    marks = {n["metadata"]["name"]: n["metadata"]["labels"][opts.avoid_label]
+             for n in api.send(nodes_request(opts.avoid_label)).get("items", [])} if opts.avoid_label else {}
+    mounts = rules.mount_messages(api.send(events_request(opts.namespace)).get("items", []), now)
+    if any(rules.is_running(p) for p in pods):
         peers_ran_at = now
     for pod in pods:
-        verdict = decide(pod, now, opts.deadline, opts.pending_deadline, peers_ran_at)
+        verdict = rules.decide(pod, now, opts, peers_ran_at, mounts.get(pod["metadata"]["uid"], []), frozenset(marks))
         if verdict:
             act(api, pod, verdict, now, opts.dry_run)
+    if opts.avoid_label:
+        mark_nodes(api, pods, marks, opts, now)
     return peers_ran_at
+
+
+def _exits(text: str) -> dict[str, int]:
+    """'preflight:69,trainer:70' -> {'preflight': 69, 'trainer': 70}."""
+    pairs = [item.split(":") for item in text.split(",") if item]
+    if any(len(p) != 2 or not p[1].isdigit() for p in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CONTAINER:CODE[,CONTAINER:CODE...]")
+    return {name: int(code) for name, code in pairs}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -201,14 +178,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--selector", required=True, help="label selector of the job's trainer pods")
     p.add_argument("--namespace", default=None, help="default: the ServiceAccount's namespace")
     p.add_argument("--deadline", type=float, default=900.0,
-                   help="seconds a pod may wait on an image or configuration error (0: never end one)")
+                   help="seconds a pod may wait on an image, a volume or a missing object (0: never end one)")
     p.add_argument("--pending-deadline", type=float, default=1800.0,
-                   help="seconds a pod may stay unschedulable while no trainer runs (0: never end one)")
+                   help="seconds unschedulable with no trainer running before the Job fails (0: wait for capacity)")
+    p.add_argument("--report-after", type=float, default=600.0, help="seconds unschedulable before it is reported")
+    p.add_argument("--avoid-label", default="", help="node label that marks a node for this job (empty: no marks)")
+    p.add_argument("--avoid-for", type=float, default=21600.0, help="seconds a mark set by the watchdog lasts")
+    p.add_argument("--node-local-exit", type=_exits, default={}, help="CONTAINER:CODE exits that mark the node")
     p.add_argument("--interval", type=float, default=30.0, help="seconds between sweeps")
     p.add_argument("--dry-run", action="store_true", help="log what would be done, change nothing")
     opts = p.parse_args(argv)
-    if opts.deadline < 0 or opts.pending_deadline < 0 or opts.interval <= 0:
-        p.error("--deadline and --pending-deadline must be >= 0 (0 turns one off), --interval > 0")
+    if min(opts.deadline, opts.pending_deadline, opts.report_after, opts.avoid_for) < 0 or opts.interval <= 0:
+        p.error("--deadline, --pending-deadline, --report-after and --avoid-for must be >= 0 (0 turns one off), "
+                "--interval > 0")
     return opts
 
 
@@ -219,13 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             opts.namespace = f.read().strip()
     host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     api = Api(f"https://{'[' + host + ']' if ':' in host else host}:{port}")
-    log("start", namespace=opts.namespace, selector=opts.selector, deadline_s=opts.deadline,
-        pending_deadline_s=opts.pending_deadline, dry_run=opts.dry_run)
+    log("start", **{k: v for k, v in vars(opts).items() if k != "node_local_exit"})
     peers_ran_at = time.time()  # a restarted watchdog counts from its start: it never ends pods early
     while True:
         try:
             peers_ran_at = sweep(api, opts, peers_ran_at, time.time())
-        except (OSError, ValueError) as e:  # API unreachable or a bad answer: log it, try again next sweep
+        except (OSError, ValueError, KeyError) as e:  # API unreachable or a bad answer: log it, next sweep
             log("sweep-failed", error=f"{type(e).__name__}: {e}")
         time.sleep(opts.interval)
 
