@@ -20,9 +20,9 @@ from elastic_mnist import exit_codes
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.state import format as checkpoint
+from elastic_mnist.worker.build import build_trainer
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.task import MnistMLP
-from elastic_mnist.worker.train import build_trainer
 
 AGREED, BLOCK_S = 20, 20.0  # steps before the fault; how long the blocked collective may wait at most
 

@@ -26,9 +26,9 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.state.format import encode, path_for, write_durable
 from elastic_mnist.state.writer import CheckpointWriter
+from elastic_mnist.worker.build import build_trainer
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.task import MnistMLP
-from elastic_mnist.worker.train import build_trainer
 from elastic_mnist.worker.trainer import Trainer
 
 

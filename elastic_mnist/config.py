@@ -69,6 +69,8 @@ class TrainConfig:
     """Seconds a collective may wait for a dead or frozen peer before the step fails."""
     connect_timeout: float = 15.0
     """Seconds the workers of a round may take to connect to each other; a peer they cannot reach costs this."""
+    round_timeout: float = 900.0
+    """Seconds a worker kept across rounds waits for its agent's next round before it saves what it holds and exits."""
     peer_timeout: float = 5.0
     """Seconds without a heartbeat after which a frozen peer counts as lost (a killed one is seen at once)."""
     heartbeat_interval: float = 0.25
@@ -131,8 +133,9 @@ class TrainConfig:
             raise UserError(f"--failure-state must be auto, copy or live, got {self.failure_state!r}")
         if self.input not in ("memory", "dataloader") or self.num_workers < 0:
             raise UserError(f"--input must be memory or dataloader (got {self.input!r}); --num-workers >= 0")
-        if self.connect_timeout <= 0:
-            raise UserError(f"--connect-timeout must be positive, got {self.connect_timeout}")
+        if self.connect_timeout <= 0 or self.round_timeout <= 0:
+            raise UserError(f"--connect-timeout and --round-timeout must be positive, got {self.connect_timeout} and "
+                            f"{self.round_timeout}")
         if self.collective_timeout <= 0:
             raise UserError(f"--collective-timeout must be positive, got {self.collective_timeout}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
@@ -208,7 +211,7 @@ LIMITS = {
     "epochs": 100_000, "max_steps": 10**12, "global_batch_size": 1 << 20, "grad_accum": 1 << 16,
     "hidden": 1 << 16, "num_workers": 256, "keep_checkpoints": 10_000, "checkpoint_every": 10**9,
     "snapshot_every": 10**9, "snapshot_cap_mb": 1 << 30, "snapshot_max_age_h": 24 * 365.0, "log_every": 10**9,
-    "collective_timeout": 86_400.0, "connect_timeout": 86_400.0, "peer_timeout": 3_600.0,
+    "collective_timeout": 86_400.0, "connect_timeout": 86_400.0, "round_timeout": 86_400.0, "peer_timeout": 3_600.0,
     "heartbeat_interval": 60.0, "min_step_time": 3_600.0, "startup_cost": 3_600.0, "lr": 1_000.0,
     "grad_clip": 1e9, "seed": 2**63 - 1,
 }

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -103,17 +104,30 @@ class GroupFormationError(RuntimeError):
     """The workers of this round did not all connect within the formation bound."""
 
 
+def read_local(environ: dict | None = None) -> tuple[int, int]:
+    """(local rank, local world size): what a worker started before its round knows of its place."""
+    env = os.environ if environ is None else environ
+    return int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+
+
+def pick_device(requested_backend: str, local_rank: int, local_world_size: int) -> torch.device:
+    """This process's device (set as CUDA's current one): once per process, before any round."""
+    if pick_backend(requested_backend, local_world_size) != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: float | None = None) -> torch.device:
     """Join the process group (a lone process gets a one-member group) and pick this rank's device.
     Forming the group may take `connect_s` (default: `timeout_s`), every collective after it `timeout_s`:
     a peer this host cannot reach (a partial partition) costs the round the short bound, not a collective's."""
     backend = pick_backend(requested_backend, env.local_world_size)
+    device = pick_device(requested_backend, env.local_rank, env.local_world_size)
     if backend == "nccl":
         set_nccl_error_handling(os.environ, env.local_rank == 0)
-        device = torch.device("cuda", env.local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    _ABANDONED.clear()  # a new round: its collectives wait again
     timeout = datetime.timedelta(seconds=connect_s or timeout_s)
     if env.launched:
         kwargs = {"device_id": device} if backend == "nccl" else {}
@@ -147,3 +161,72 @@ def abort_data_group() -> None:
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# -- rounds in place: a collective that a lost peer cannot hold, and a teardown that never waits on one -------
+class RoundAbandoned(RuntimeError):
+    """This round was given up (a peer is lost) while this thread waited in one of its collectives."""
+
+
+_ABANDONED = threading.Event()
+_WAITERS: set[threading.Event] = set()
+_WAITERS_LOCK = threading.Lock()
+_GRAVEYARD: list = []  # groups given up with work in flight: kept referenced, never destroyed under a waiter
+MAX_ABANDONED_GROUPS = 32  # each holds sockets until its timeouts: past this many, start afresh instead
+
+
+def wait(work, gloo: bool | None = None) -> None:
+    """Wait for a collective started with async_op=True (on the default group, or a `gloo` one). On CPU
+    `abandon_round` ends the wait with RoundAbandoned: gloo's own wait would last until the collective's
+    timeout on a vanished or frozen peer. NCCL only queues it on the stream (its abort ends what waits)."""
+    if _ABANDONED.is_set():
+        raise RoundAbandoned("the round was given up")
+    if not (gloo or (gloo is None and dist.get_backend() != "nccl")):
+        work.wait()
+        return
+    done = threading.Event()
+    with _WAITERS_LOCK:
+        _WAITERS.add(done)
+    try:
+        work.get_future().add_done_callback(lambda _future: done.set())
+        done.wait()
+    finally:
+        with _WAITERS_LOCK:
+            _WAITERS.discard(done)
+    if _ABANDONED.is_set() and not work.is_completed():
+        _GRAVEYARD.append(work)  # its buffers stay valid for gloo's threads until it times out
+        raise RoundAbandoned("the round was given up while a collective waited on a lost peer")
+    work.wait()  # done: returns at once, or raises the collective's own error
+
+
+def abandon_round() -> None:
+    """From any thread: every collective this process waits in (and any it starts) raises RoundAbandoned."""
+    _ABANDONED.set()
+    with _WAITERS_LOCK:
+        for done in _WAITERS:
+            done.set()
+
+
+def teardown(abandoned: bool) -> str:
+    """End this round's process group. After a clean round end it is destroyed; after a lost peer
+    (`abandoned`) it is not waited on: NCCL's is aborted, gloo's destroyed but kept referenced (its threads
+    may wait on the dead peer until the timeout, and the last reference would join them). "" when done, else
+    why this process should start afresh instead."""
+    if not dist.is_initialized():
+        return ""
+    if abandoned:
+        _GRAVEYARD.append(dist.group.WORLD)
+    try:
+        if abandoned and dist.get_backend() == "nccl":
+            compat.abort_process_group()
+        dist.destroy_process_group()
+    except (RuntimeError, ValueError) as e:
+        return f"tearing down the process group failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    if len(_GRAVEYARD) > MAX_ABANDONED_GROUPS:
+        return f"{len(_GRAVEYARD)} process groups given up in this process"
+    return ""
+
+
+def bury(group) -> None:
+    """Keep a group given up with a lost peer (the control plane's) referenced past its round (see teardown)."""
+    _GRAVEYARD.append(group)

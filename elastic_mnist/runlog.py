@@ -4,7 +4,8 @@
 
 Writer (one per worker process): sample records go to `<sample_dir>/`, events to `<log_dir>/events/`,
 each file named restartNNN-rankNNN-pidNNN.jsonl so no two processes share a file. Every record carries
-rank, world_size, restart, pid and time as fields; readers use those, never the file name. Readers:
+rank, world_size, restart, pid, round (of a worker kept across rounds) and time as fields; readers use those,
+never the file name. Readers:
 `read_records` for a finished run, `LineTail`/`JsonlTail`/`RunTail` to follow a live one.
 """
 
@@ -30,9 +31,12 @@ def events_dir(log_dir: str) -> str:
 class RunLog:
     """This worker process's sample records (when sample_dir is set) and events (when log_dir is set)."""
 
-    def __init__(self, log_dir: str, sample_dir: str, rank: int, world_size: int, restart: int, node: str = ""):
+    def __init__(self, log_dir: str, sample_dir: str, rank: int, world_size: int, restart: int, node: str = "",
+                 round_index: int = 0):
+        """`round_index`: which round of this process the records belong to (a worker kept across rounds
+        serves several; `worker_round` names one)."""
         self._fixed = {"rank": rank, "world_size": world_size, "restart": restart, "pid": os.getpid(),
-                       **({"node": node} if node else {})}
+                       "round": round_index, **({"node": node} if node else {})}
         name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
         self._samples = _open_append(sample_dir, name) if sample_dir else None
         self._events = _open_append(events_dir(log_dir), name) if log_dir else None
@@ -120,6 +124,11 @@ class JsonlTail:
         return records
 
 
+def worker_round(record: dict) -> tuple[int, int]:
+    """(pid, round): one round of one worker process, the unit a membership change starts and ends."""
+    return record["pid"], record.get("round", 0)
+
+
 class RunTail:
     """Follows a live run: sample records grouped by worker process, the event journal, and the
     newest step and world size (what the local launcher's fault triggers and report need)."""
@@ -127,8 +136,9 @@ class RunTail:
     def __init__(self, sample_dir: str, log_dir: str):
         self._samples = JsonlTail(sample_dir)
         self._events = JsonlTail(events_dir(log_dir))
-        self.processes: dict[int, list[dict]] = {}
-        """pid -> that worker process's sample records, in order."""
+        self.processes: dict[tuple[int, int], list[dict]] = {}
+        """worker_round -> the sample records of that round of that worker process, in order (a fresh process
+        serves one round; a worker kept across rounds one entry per round)."""
         self.journal: list[dict] = []
         self._unseen = 0
         """How many journal records at the end of `journal` no caller of poll_events() has seen yet."""
@@ -139,7 +149,7 @@ class RunTail:
     def poll(self) -> list[dict]:
         new = self._samples.read()
         for r in new:
-            self.processes.setdefault(r["pid"], []).append(r)
+            self.processes.setdefault(worker_round(r), []).append(r)
         events = self._events.read()
         self.journal += events
         self._unseen += len(events)

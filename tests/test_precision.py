@@ -148,8 +148,8 @@ def test_a_tasks_own_state_is_saved_restored_and_refused_by_a_task_without_it(tm
     from contextlib import ExitStack
 
     from elastic_mnist.distributed import DistEnv
+    from elastic_mnist.worker.build import build_trainer
     from elastic_mnist.worker.control import ControlPlane
-    from elastic_mnist.worker.train import build_trainer
 
     config = TrainConfig(global_batch_size=30, max_steps=4, hidden=32, checkpoint_every=0, log_every=1000,
                          log_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"))
@@ -182,14 +182,15 @@ def test_an_optimizer_that_is_not_a_torch_optimizer_is_refused_in_one_line(tmp_p
     from contextlib import ExitStack
 
     from elastic_mnist.distributed import DistEnv
+    from elastic_mnist.worker.build import build_trainer
     from elastic_mnist.worker.control import ControlPlane
-    from elastic_mnist.worker.train import build_trainer
 
     class Duck(GivenData):
         def build_optimizer(self, model, config):
             return object()
 
-    config = TrainConfig(hidden=32, log_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"))
+    config = TrainConfig(hidden=32, global_batch_size=16, log_dir=str(tmp_path / "runs"),
+                         checkpoint_dir=str(tmp_path / "ckpt"))
     with ExitStack() as stack, pytest.raises(UserError, match=r"^Duck.build_optimizer returned a object, not a "
                                                               "torch.optim.Optimizer"):
         build_trainer(config, DistEnv(), Duck(_data(60), _data(10, 1)), ControlPlane(1, config), stack)

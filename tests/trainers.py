@@ -7,9 +7,9 @@ import weakref
 from contextlib import ExitStack
 
 from elastic_mnist.distributed import DistEnv
+from elastic_mnist.worker.build import build_trainer
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.task import MnistMLP
-from elastic_mnist.worker.train import build_trainer
 from elastic_mnist.worker.trainer import Trainer
 
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from elastic_mnist.errors import UserError
+from elastic_mnist.runlog import worker_round
 
 HOST_KINDS = ("vanish", "down", "cut", "heal")
 """Faults of the network between hosts: only with --hosts."""
@@ -105,6 +106,8 @@ class Event:
     world_size_before: int
     world_size_after: int | None = None
     recovery_s: float | None = None
+    stall_s: float | None = None
+    """From the last step trained before the change to the first at the new size (what the job waited)."""
     steps_redone: int | None = None
     breakdown: dict | None = None
     notes: list = field(default_factory=list)
@@ -112,56 +115,64 @@ class Event:
     """agent-restart only: the code the agent exited with (negative: killed by that signal)."""
 
 
-def account(event: Event, processes: dict[int, list[dict]], journal: list[dict] | None = None) -> None:
-    """Fill recovery_s and steps_redone from the sample records of each worker process (pid -> records,
-    as runlog.RunTail.processes holds them).
+def account(event: Event, processes: dict, journal: list[dict] | None = None) -> None:
+    """Fill recovery_s, stall_s and steps_redone from the sample records of each worker round ((pid, round) ->
+    records, as runlog.RunTail.processes holds them: a fresh process serves one round, a kept one several).
 
-    Recovery: from the fault to the first step completed by a worker process started after it.
-    Steps redone: steps completed before the fault that the new workers computed again.
+    Recovery: from the fault to the first step completed by a round that started after it. Stall: from the
+    last step any earlier round completed before that to the same first step (what the job waited; for a
+    join the running nodes train on while the joiner prepares). Steps redone: steps completed before the
+    fault that the new rounds computed again.
     """
-    new_procs = [recs for recs in processes.values() if recs and recs[0]["time"] > event.time]
-    old_procs = [recs for recs in processes.values() if recs and recs[0]["time"] <= event.time]
+    new_rounds = [recs for recs in processes.values() if recs and recs[0]["time"] > event.time]
+    old_rounds = [recs for recs in processes.values() if recs and recs[0]["time"] <= event.time]
     # No membership change expected (or, after a blip or heal, none happened): the same workers go on.
-    if event.kind == "etcd-restart" or (event.kind in ("down", "heal") and not new_procs):
-        later = [r for recs in old_procs for r in recs if r["time"] > event.time]
+    if event.kind == "etcd-restart" or (event.kind in ("down", "heal") and not new_rounds):
+        later = [r for recs in old_rounds for r in recs if r["time"] > event.time]
         if later:
             first = min(later, key=lambda r: r["time"])
             event.world_size_after, event.steps_redone = first["world_size"], 0
-            event.recovery_s = round(first["time"] - event.time, 3)
+            event.recovery_s = event.stall_s = round(first["time"] - event.time, 3)
             return
-    if not new_procs:
+    if not new_rounds:
         return
-    first = min((recs[0] for recs in new_procs), key=lambda r: r["time"])
-    done_before = [r["step"] for recs in old_procs for r in recs if r["time"] <= first["time"]]
-    first_new_step = min(r["step"] for recs in new_procs for r in recs)
+    first = min((recs[0] for recs in new_rounds), key=lambda r: r["time"])
+    done_before = [r for recs in old_rounds for r in recs if r["time"] <= first["time"]]
+    first_new_step = min(r["step"] for recs in new_rounds for r in recs)
+    last_old = max((r["time"] for r in done_before), default=event.time)
     event.world_size_after = first["world_size"]
     event.recovery_s = round(first["time"] - event.time, 3)
-    event.steps_redone = max(0, max(done_before, default=-1) - first_new_step + 1)
+    event.stall_s = round(first["time"] - last_old, 3)
+    event.steps_redone = max(0, max((r["step"] for r in done_before), default=-1) - first_new_step + 1)
     event.breakdown = breakdown(event, first, journal or [])
 
 
 def breakdown(event: Event, first: dict, journal: list[dict]) -> dict | None:
-    """Where the recovery went: detection (fault → the old workers stop), rendezvous (→ a new worker
-    process exists), imports, resume (process group, data, checkpoint), first step."""
+    """Where the recovery went: detection (fault → the old workers stop), rendezvous (→ torchrun starts the
+    round's process: a fresh worker, or the stand-in of a kept one), attach (→ the worker takes the round: a
+    fresh one imports, pays its start-up and builds first; a kept one has all that), process group, state (the
+    agreement, a transfer, a load: nothing for a kept worker whose memory won), first step."""
     after = sorted((e for e in journal if e["time"] > event.time), key=lambda e: e["time"])
-    stopped = next((e["time"] for e in after if e["event"] in ("collective_failed", "stop")), None)
-    start = next((e for e in after if e["event"] == "startup" and e["pid"] == first["pid"]), None)
+    start = next((e for e in after if e["event"] == "startup" and worker_round(e) == worker_round(first)), None)
     if start is None:
         return None
     p = start["phases"]
-    detected = stopped if stopped is not None and stopped < p["process_start"] else p["process_start"]
-    parts = {"detection_s": detected - event.time, "rendezvous_s": p["process_start"] - detected,
-             "imports_s": p["imports"] - p["process_start"], "resume_s": p["resumed"] - p["imports"],
-             "first_step_s": p["first_step"] - p["resumed"]}
-    return {k: round(v, 3) for k, v in parts.items()}
+    began = p.get("process_start") or p["stand_in"]
+    stopped = next((e["time"] for e in after if e["event"] in ("collective_failed", "stop", "peer_lost")), None)
+    detected = stopped if stopped is not None and stopped < began else began
+    parts = {"detection_s": detected - event.time, "rendezvous_s": began - detected,
+             "attach_s": p["attached"] - began, "process_group_s": p["process_group"] - p["attached"],
+             "state_s": p["resumed"] - p["process_group"], "first_step_s": p["first_step"] - p["resumed"]}
+    return {k: round(v, 3) for k, v in parts.items()} | {"in_place": "process_start" not in p}
 
 
 def events_table(events: list[Event]) -> str:
-    rows = [("event", "node", "at_step", "world", "recovery_s", "steps_redone")]
+    rows = [("event", "node", "at_step", "world", "recovery_s", "stall_s", "steps_redone")]
     for e in events:
         world = f"{e.world_size_before}->{e.world_size_after if e.world_size_after is not None else '?'}"
         rec = f"{e.recovery_s:.2f}" if e.recovery_s is not None else "-"
-        rows.append((e.kind, e.node or "-", str(e.at_step), world, rec, str(e.steps_redone)))
+        stall = f"{e.stall_s:.2f}" if e.stall_s is not None else "-"
+        rows.append((e.kind, e.node or "-", str(e.at_step), world, rec, stall, str(e.steps_redone)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from elastic_mnist.runlog import worker_round
+
 PARTS = ("productive", "redone", "detection", "rendezvous", "worker_start", "resume", "no_node")
 
 
@@ -62,7 +64,7 @@ class Run:
     """(unix time, node count) at each applied trace interval."""
     end: float
     processes: dict
-    """pid -> sample records (runlog.RunTail.processes)."""
+    """worker round -> sample records (runlog.RunTail.processes)."""
     journal: list
     events: list
     """Report events (dicts): preempt, join, restart-all."""
@@ -81,10 +83,10 @@ def available(run: Run) -> list[tuple[float, float]]:
 
 def step_intervals(run: Run) -> tuple[list, list, dict]:
     """(productive, redone, per world size: durations of steady productive steps) from rank 0."""
-    resumed = {e["pid"]: e["phases"]["resumed"] for e in run.journal if e["event"] == "startup"}
-    steps = []  # (end, start, step, world, first of its process)
-    for pid, recs in run.processes.items():
-        prev = resumed.get(pid)
+    resumed = {worker_round(e): e["phases"]["resumed"] for e in run.journal if e["event"] == "startup"}
+    steps = []  # (end, start, step, world, first of its round)
+    for key, recs in run.processes.items():
+        prev = resumed.get(key)
         for i, r in enumerate(x for x in recs if x["rank"] == 0):
             if prev is not None:
                 steps.append((r["time"], prev, r["step"], r["world_size"], i == 0))
@@ -99,22 +101,28 @@ def step_intervals(run: Run) -> tuple[list, list, dict]:
 
 
 def startup_intervals(run: Run) -> tuple[list, list]:
-    """(worker start, resume) of every rank-0 process that reached its first step."""
+    """(worker start, resume) of every rank-0 round that reached its first step: a fresh process's start-up,
+    or a kept worker's attach to its round's stand-in."""
     start, resume = [], []
     for e in run.journal:
         if e["event"] == "startup" and e["rank"] == 0:
             p = e["phases"]
-            paid = p.get("startup_cost", p["imports"])
-            start.append((p["process_start"], paid))
+            paid = p.get("startup_cost") or p.get("imports") or p["attached"]
+            start.append((round_start(p), paid))
             resume.append((paid, p["resumed"]))
     return start, resume
+
+
+def round_start(phases: dict) -> float:
+    """When torchrun started the round's process: the worker itself, or the stand-in of a kept one."""
+    return phases.get("process_start") or phases["stand_in"]
 
 
 def detection_intervals(run: Run) -> list:
     """From each change to the first stop (or failed collective) of the old workers after it; none when
     a new worker starts first (no old worker was running: a start from no node)."""
     stops = sorted(e["time"] for e in run.journal if e["event"] in ("stop", "collective_failed"))
-    starts = sorted(e["phases"]["process_start"] for e in run.journal if e["event"] == "startup")
+    starts = sorted(round_start(e["phases"]) for e in run.journal if e["event"] == "startup")
     out = []
     for e in run.events:
         stop = next((t for t in stops if t >= e["time"]), None)

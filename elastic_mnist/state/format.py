@@ -189,10 +189,13 @@ def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
     return files.write_then(path, data, 0o644, lambda tmp, final: publish.publish(tmp, final, replace))
 
 
-def iter_valid(directory: str, warn: Callable[[str], None] = print, key: bytes | None = None):
-    """(step, path, blob, state) of each checkpoint that verifies, newest first; a damaged one, or one
-    refused unread (not a regular file, over read_limit), is skipped with a warning naming it (and kept)."""
+def iter_valid(directory: str, warn: Callable[[str], None] = print, key: bytes | None = None, above: int = -1):
+    """(step, path, blob, state) of each checkpoint named after a step past `above` that verifies, newest
+    first; a damaged one, or one refused unread (not a regular file, over read_limit), is skipped with a
+    warning naming it (and kept). Files named `above` or older are not read at all."""
     for step, path in list_checkpoints(directory):
+        if step <= above:
+            return
         try:
             blob = read_checkpoint(path)
             state = decode(blob, path, key)

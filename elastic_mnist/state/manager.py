@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist.config import TrainConfig
@@ -44,6 +45,18 @@ def _refuse_foreign(directory: str) -> None:
                         "them: move them away, or pass another --checkpoint-dir")
 
 
+@dataclass(frozen=True)
+class Held:
+    """The state a worker kept across rounds holds between them (its objects are the state itself)."""
+
+    step: int
+    lineage: str
+    """The generation token of the round that agreed on it: every survivor of that round holds the same."""
+    rng: dict
+    """The RNG as the round ended (forming the next round's groups may draw from it)."""
+    world_size: int
+
+
 class CheckpointManager:
     def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict,
                  key: bytes | None = None):
@@ -63,19 +76,29 @@ class CheckpointManager:
         self._confirmed_tensors: list | None = None
         self._confirmed_step = -1
         self._keeps_copy = False
+        self.lineage = ""
 
     # -- restore ----------------------------------------------------------------------------------
-    def restore(self, objects: dict[str, Stateful], progress: Progress, steps_per_epoch: int) -> None:
-        """Collective: every rank offers its newest valid state, the newest wins and is loaded into every
-        registered object, and `progress`, in place. A fresh run is the case with no state. Safe to repeat.
-        `objects` must hold "model" and "optimizer" (the failure-state copy is theirs)."""
+    def restore(self, objects: dict[str, Stateful], progress: Progress, steps_per_epoch: int,
+                memory: Held | None = None) -> None:
+        """Collective: every rank offers its newest valid state (`memory`: what its objects hold from the round
+        before, in a worker kept across rounds), the newest wins and is loaded into every registered object,
+        and `progress`, in place; a rank whose memory won loads nothing. A fresh run is the case with no state.
+        Safe to repeat. `objects` must hold "model" and "optimizer" (the failure-state copy is theirs)."""
         self.objects, self.progress, self.steps_per_epoch = objects, progress, steps_per_epoch
         mode, on_gpu = self.config.failure_state, next(objects["model"].parameters()).device.type == "cuda"
         self._keeps_copy = mode == "copy" or (mode == "auto" and on_gpu)  # decided once, not per step
         self._sweep_snapshots()
-        state, source, token = self._agree_on_state()
+        state, source, self.lineage = self._agree_on_state(memory)
         if self.writes:  # this group now owns every dir it writes to (see fence.claim_generation)
-            self._token = fence.claim_generation(self.config.checkpoint_dir, self.env.world_size, token)
+            self._token = fence.claim_generation(self.config.checkpoint_dir, self.env.world_size, self.lineage)
+        if source == state_sync.MEMORY:
+            objects["rng"].load_state_dict(memory.rng)  # as it was at the end of the round: the group's set-up drew
+            progress.resumes += 1
+            self.metrics.event("resume", f"[resume] step {progress.step} in place (kept in memory); now world size "
+                               f"{self.env.world_size}, torchrun restart {self.env.restart_count}", step=progress.step,
+                               source=source, saved_world_size=memory.world_size, in_place=True)
+            return
         if state is None:
             self.metrics.event("start", f"[start] fresh run at world size {self.env.world_size} "
                                f"(no checkpoint in {self.config.checkpoint_dir})", world_size=self.env.world_size)
@@ -89,31 +112,48 @@ class CheckpointManager:
             f"torchrun restart {self.env.restart_count}", step=state["step"], source=source,
             saved_world_size=state["world_size"])
 
-    def _agree_on_state(self) -> tuple[dict | None, str, str]:
+    def _agree_on_state(self, memory: Held | None) -> tuple[dict | None, str, str]:
         """(the agreed state or None, where it came from, rank 0's generation token for this group)."""
         config, env, error, mine = self.config, self.env, None, None
+        held = None if memory is None else state_sync.held(memory.step, memory.lineage, self._encode)
         try:
             if self.writes:
                 checkpoint.ensure_writable(config.checkpoint_dir)
                 _refuse_foreign(config.checkpoint_dir)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
-                                         self.metrics.warn, self.key)
+                                         self.metrics.warn, self.key, held)
         except UserError as e:
             error = str(e)
         state_sync.agree_errors(error, env.world_size)
         offered = fence.new_token() if env.rank == 0 else ""
         chosen, owner, sent_to, token = state_sync.agree_on_state(mine, env.rank, env.world_size, offered)
-        if chosen is None:
-            return None, "", token
+        if sent_to:
+            self.metrics.event("sync", f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}",
+                               step=chosen.step, owner=owner, sent_to=sent_to)
+        if chosen is None or chosen.source == state_sync.MEMORY:
+            return None, "" if chosen is None else chosen.source, token
         # Decoded once: a local state when it was verified; what a peer sent, here (its checksum too).
         state = chosen.state if chosen.state is not None else checkpoint.decode(chosen.blob, chosen.source, self.key)
         checkpoint.check_compatible(state, self.fingerprint, chosen.source)
         if self.writes:
             state_sync.keep_durable_copy(chosen, config.checkpoint_dir)
-        if sent_to:
-            self.metrics.event("sync", f"[sync] step {chosen.step}: rank {owner} sent its state to ranks {sent_to}",
-                               step=chosen.step, owner=owner, sent_to=sent_to)
         return state, chosen.source, token
+
+    def held(self) -> Held:
+        """What this process's objects hold at the end of a clean round (agreed by every rank of it)."""
+        return Held(self.progress.step, self.lineage, self.objects["rng"].state_dict(), self.env.world_size)
+
+    def rollback(self) -> None:
+        """After a lost peer on a device that runs ahead (failure state "copy"): the objects get the copy of the
+        last step every rank confirmed back, so the process goes on from an agreed step, never a half-run one."""
+        if self._confirmed is None:
+            return
+        load_into(self.objects, self._confirmed, "the copy of the last confirmed step")
+        self.progress.step = self._confirmed_step
+
+    def _encode(self) -> bytes:
+        """This process's state as a checkpoint's bytes, for a peer that lacks it."""
+        return checkpoint.encode(self.capture(), self.key)
 
     def _sweep_snapshots(self) -> None:
         if self.writes:  # temp files of writers killed mid-write (the age leaves a live writer's alone)

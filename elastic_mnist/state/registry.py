@@ -48,12 +48,18 @@ class Progress:
 
 class RngState:
     """The CPU generator and, where CUDA is initialized, every device's generator, so a resumed run draws
-    what an uninterrupted one would (dropout, random augmentation). Created just before the restore, it
-    seeds them with `seed`: a fresh run starts from the same RNG state however much the start-up drew
-    (the process group's set-up does, a varying amount); a resume then loads the saved state over it."""
+    what an uninterrupted one would (dropout, random augmentation). It seeds them with `seed` when created
+    and again (`reset`) just before a process's first restore: a fresh run starts from the same RNG state
+    however much the start-up drew (the process group's set-up does, a varying amount); a resume then loads
+    the saved state over it."""
 
     def __init__(self, seed: int = 0) -> None:
-        torch.manual_seed(seed)  # CPU and, lazily, every CUDA device
+        self.seed = seed
+        self.reset()
+
+    def reset(self) -> None:
+        """The generators as a fresh run starts them (CPU and, lazily, every CUDA device)."""
+        torch.manual_seed(self.seed)
 
     def state_dict(self) -> dict:
         state = {"torch": torch.get_rng_state()}

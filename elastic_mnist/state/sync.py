@@ -2,11 +2,13 @@
 
     torchrun ... -m elastic_mnist.train --checkpoint-storage local --checkpoint-dir /local/ckpt
 
-Each rank offers its best candidate: the newest verified checkpoint in its --checkpoint-dir, or a newer
-in-memory snapshot (--snapshot-dir, e.g. /dev/shm, which outlives the worker process). The ranks
-all-gather (step, checksum); the lowest rank holding the newest step broadcasts its bytes to every rank
-that does not hold the same; receivers verify the checksum. With shared storage every rank sees the
-same newest file and nothing is sent.
+Each rank offers its best candidate: the state its process holds in memory from the round before (a worker
+kept across rounds), or the newest verified checkpoint in its --checkpoint-dir, or a newer in-memory snapshot
+(--snapshot-dir, e.g. /dev/shm, which outlives the worker process). The ranks all-gather (step, identity):
+a file's checksum, or the lineage of a state in memory (the round that agreed on it: every survivor of that
+round holds the same bytes). The lowest rank holding the newest step (memory first) broadcasts its bytes to
+every rank that does not hold the same; receivers verify the checksum. With shared storage, or survivors of
+one round, nothing is sent, and a state held in memory is never decoded.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elastic_mnist.distributed import group_device
+from elastic_mnist.distributed import group_device, wait
 from elastic_mnist.errors import UserError
 from elastic_mnist.state import format as checkpoint
+
+MEMORY = "memory"  # the source of a state held in this process's memory
 
 
 @dataclass
@@ -29,19 +33,31 @@ class Candidate:
     step: int
     blob: bytes
     source: str
-    """The file it came from, for the resume line."""
+    """The file it came from, for the resume line (MEMORY for the state this process holds)."""
     state: dict | None = None
     """The decoded state when this rank verified it itself (decoded once); None for bytes a peer sent."""
+    lineage: str = ""
+    """A state held in memory: the round that agreed on it (its blob is made only if a peer needs it)."""
+    encode: Callable[[], bytes] | None = None
 
     @property
-    def digest(self) -> str:
-        return checkpoint.digest_of(self.blob)
+    def ident(self) -> str:
+        return f"{MEMORY}:{self.lineage}" if self.source == MEMORY else checkpoint.digest_of(self.blob)
+
+    def bytes_to_send(self) -> bytes:
+        return self.blob or (self.encode() if self.encode is not None else b"")
+
+
+def held(step: int, lineage: str, encode: Callable[[], bytes]) -> Candidate:
+    """The state this process's objects hold, agreed at `step` by the round `lineage`."""
+    return Candidate(step, b"", MEMORY, lineage=lineage, encode=encode)
 
 
 def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | None = None,
-                 key: bytes | None = None) -> Candidate | None:
-    """The newest file in `directory` that verifies (and, for snapshots, belongs to this job)."""
-    for step, path, blob, state in checkpoint.iter_valid(directory, warn, key):
+                 key: bytes | None = None, above: int = -1) -> Candidate | None:
+    """The newest file in `directory` named after a step past `above` that verifies (and, for snapshots,
+    belongs to this job)."""
+    for step, path, blob, state in checkpoint.iter_valid(directory, warn, key, above):
         if origin is not None and state.get("origin") != origin:
             warn(f"warning: ignoring snapshot {path}: it belongs to another job ({state.get('origin')})")
             continue
@@ -49,11 +65,14 @@ def newest_valid(directory: str, warn: Callable[[str], None], origin: dict | Non
     return None
 
 
-def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn,
-               key: bytes | None = None) -> Candidate | None:
-    found = [c for c in (newest_valid(checkpoint_dir, warn, key=key),
-                         newest_valid(snapshot_dir, warn, origin, key) if snapshot_dir else None) if c is not None]
-    return max(found, key=lambda c: c.step, default=None)
+def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn, key: bytes | None = None,
+               memory: Candidate | None = None) -> Candidate | None:
+    """The newest state this rank has: `memory`, unless a file is named newer (only such files are read)."""
+    floor = memory.step if memory is not None else -1
+    files = [c for c in (newest_valid(checkpoint_dir, warn, key=key, above=floor),
+                         newest_valid(snapshot_dir, warn, origin, key, above=floor) if snapshot_dir else None)
+             if c is not None]
+    return max(files, key=lambda c: c.step, default=memory)
 
 
 def agree_errors(error: str | None, world_size: int) -> None:
@@ -68,20 +87,20 @@ def agree_on_state(mine: Candidate | None, rank: int, world_size: int,
                    generation: str = "") -> tuple[Candidate | None, int, list[int], str]:
     """(the newest state, the rank that had it, the ranks it was sent to, rank 0's `generation`).
     The generation token (fence.py) rides in the same all-gather: every rank learns it at no extra cost."""
-    offer = [mine.step, mine.digest, generation] if mine else [-1, "", generation]
+    offer = [mine.step, mine.ident, generation, int(mine.source == MEMORY)] if mine else [-1, "", generation, 0]
     offers = [offer]
     if world_size > 1:  # a lone process has nobody to agree with (and may have no process group)
         offers = [json.loads(b) for b in _all_gather_bytes(json.dumps(offer).encode())]
-    best, token = max(step for step, _, _ in offers), str(offers[0][2])
-    if best < 0:
+    best, token = max((o[0], o[3]) for o in offers), str(offers[0][2])
+    if best[0] < 0:
         return None, -1, [], token
-    owner = min(r for r, (step, _, _) in enumerate(offers) if step == best)
+    owner = min(r for r, o in enumerate(offers) if (o[0], o[3]) == best)
     needy = [r for r, offer in enumerate(offers) if offer[:2] != offers[owner][:2]]
     if not needy:
         return mine, owner, [], token
-    blob = _broadcast_bytes(mine.blob if rank == owner else b"", owner)
+    blob = _broadcast_bytes(mine.bytes_to_send() if rank == owner else b"", owner)
     if rank in needy:
-        mine = Candidate(best, blob, f"rank {owner} (sent over the process group)")
+        mine = Candidate(best[0], blob, f"rank {owner} (sent over the process group)")
     return mine, owner, needy, token
 
 
@@ -100,7 +119,7 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     dev, world = group_device(), dist.get_world_size()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size)
+    wait(dist.all_gather(sizes, size, async_op=True))
     longest = max(int(s) for s in sizes)
     if longest > MESSAGE_CAP or min(int(s) for s in sizes) < 0:  # every rank sees the same sizes: all raise
         raise TransferRefused(f"a peer announced a {longest:,}-byte message during the state agreement, over the "
@@ -108,25 +127,25 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    wait(dist.all_gather(gathered, mine, async_op=True))
     return [t[:int(n)].cpu().numpy().tobytes() for t, n in zip(gathered, sizes)]
 
 
 def _broadcast_bytes(data: bytes, src: int) -> bytes:
     dev = group_device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src=src)
+    wait(dist.broadcast(size, src=src, async_op=True))
     # The cap depends on each rank's free memory: agree on refusing, so no rank waits in the next broadcast.
     limit = checkpoint.read_limit() if dist.get_rank() != src else int(size)
     refused = torch.tensor([int(not 0 <= int(size) <= limit)], dtype=torch.int64, device=dev)
-    dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+    wait(dist.all_reduce(refused, op=dist.ReduceOp.MAX, async_op=True))
     if int(refused):
         raise TransferRefused(f"rank {src} announced a {int(size):,}-byte state, more than a rank of this group can "
                               "hold (half its available memory): free memory on the nodes, or fewer per node")
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
     if dist.get_rank() == src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src=src)
+    wait(dist.broadcast(buf, src=src, async_op=True))
     return buf.cpu().numpy().tobytes()
 
 

@@ -99,10 +99,12 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
 def _wait(sock: socket.socket, pidfd: int) -> int:
     """The worker's exit status (a code, or minus the signal that ended it), or the code of its detach (an
     in-place round is over and the worker stays for the next)."""
-    try:
-        message, _ = _wire.receive(sock)
-    except (OSError, EOFError, _wire.WireError):
-        message = {}
+    message: dict = {}
+    while "exit" not in message:
+        try:
+            message, _ = _wire.receive(sock)
+        except (OSError, EOFError, _wire.WireError):
+            break
     if "exit" in message:
         return int(message["exit"])
     # The warm process is gone (its agent died): its child stops on its own (parent-death signal); be

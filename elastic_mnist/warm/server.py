@@ -162,7 +162,8 @@ class Server:
         except (EOFError, _wire.WireError, OSError):
             self.selector.unregister(worker.channel)  # it is ending: its pidfd reports the rest
             return None
-        if message.get("applied") or message.get("attached"):
+        expected = {STARTING: "applied", ATTACHING: "attached"}.get(worker.state)  # (a fork started before its
+        if expected and message.get(expected):  # round says "applied" too, to nobody: no stand-in waits for it)
             worker.state, handed, worker.handed = RUNNING, worker.handed, None
             _close(handed[1] if handed else [])
             if worker.stand_in is not None:
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         server.control = socket.socket(fileno=args.control_fd)
         server.selector.register(server.control, selectors.EVENT_READ, "control")
     server._mark(LISTENING)
-    server._import(BASE_PRELOAD + (plan.request(0)["preload"] if plan else ()))
+    server._import([*BASE_PRELOAD, *(plan.request(0)["preload"] if plan else ())])
     server._mark(WARM)
     job = server.prestart()
     if job is None and not server.fleet.building():

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist import netprobe
-from elastic_mnist.distributed import group_device
+from elastic_mnist.distributed import bury, group_device, wait
 from elastic_mnist.worker.stop import StopRequest
 
 SUSPECT_S = 0.25  # a heartbeat takes milliseconds: one in flight this long has the peers' hosts probed
@@ -61,7 +61,7 @@ class ControlPlane:
         if self._agree_group is None:
             return values
         packed = torch.tensor(values, dtype=torch.float64)
-        self._agree_group.allreduce([packed]).wait()
+        wait(self._agree_group.allreduce([packed]), gloo=True)
         return packed.tolist()
 
     def watch(self, on_peer_lost: Callable[[str], None]) -> None:
@@ -119,10 +119,15 @@ class ControlPlane:
                 return
 
     def leave(self, timeout_s: float = 10.0) -> None:
-        """Stop the heartbeat together with the other ranks (safe to repeat)."""
+        """Stop the heartbeat together with the other ranks (safe to repeat). After a lost peer its groups are
+        kept referenced past the round: a collective of theirs may still wait on the dead peer."""
         self._leaving.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        stuck = self._thread is not None and self._thread.is_alive()
+        if (self.peer_lost.is_set() or stuck) and self._agree_group is not None:
+            bury(self._agree_group)
+            bury(self._watch_group)
 
     def confirms_peer_loss(self, timeout_s: float) -> bool:
         """An error from a collective is a peer's loss when the heartbeat says so (no message matching)."""
@@ -135,7 +140,7 @@ def _round_token() -> int:
     keyed by a fixed name would meet the addresses of the previous round's dead processes there."""
     # os.urandom, not torch's RNG (which training seeds and checkpoints).
     token = torch.tensor([int.from_bytes(os.urandom(7), "big")], dtype=torch.int64, device=group_device())
-    dist.broadcast(token, src=0)
+    wait(dist.broadcast(token, src=0, async_op=True))
     return int(token.item())
 
 

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from elastic_mnist import exit_codes
+from elastic_mnist.distributed import RoundAbandoned
 
 # What a failure save may take beyond --collective-timeout before the watchdog gives up on it: the same
 # allowance an orphaned worker gets (stop.StopRequest). A healthy save of the last step takes well
@@ -42,6 +43,10 @@ class Bounds:
     """How long the main thread asks the heartbeat whether its collective's error is a peer's loss."""
     end_s: float
     """From the first sign of the loss to the end of the process, saved or not."""
+    in_place_s: float = 5.0
+    """With rounds in place: how long the watch thread leaves the main thread to come out of its collective
+    (abandon_round ends any interruptible wait at once) and end the round in memory, before it saves and ends
+    the process instead (the main thread is stuck where nothing interrupts it: DDP's backward, a device)."""
     takeover_s: float = 0.25
     """How long the watch thread leaves the main thread to take the save over. Only who saves depends on
     it: the save and the optimizer step share the trainer's state lock, so either saves a consistent step.
@@ -53,14 +58,20 @@ class Bounds:
         return cls(confirm_s=config.peer_timeout + 2, end_s=config.collective_timeout + SAVE_GRACE_S)
 
 
+IN_PLACE = "kept in memory"
+"""What main_failed returns when the round ends in place: no save, no exit; the process goes on to the next."""
+
+
 class FailureHandoff:
     """The one place both threads meet on a peer's loss. `save(owner)` ("main" or "watch") saves the last
-    completed step and says where; `exit` ends the process (injectable: tests observe the code)."""
+    completed step and says where; `exit` ends the process (injectable: tests observe the code). With
+    `unblock` (rounds in place: distributed.abandon_round) the main thread ends the round in memory instead."""
 
     def __init__(self, save: Callable[[str], str], witness: LossWitness, bounds: Bounds, warn: Callable[[str], None],
-                 abort: Callable[[], None] | None = None, exit: Callable[[int], None] = os._exit):
+                 abort: Callable[[], None] | None = None, exit: Callable[[int], None] = os._exit,
+                 unblock: Callable[[], None] | None = None):
         self._save, self._witness, self.bounds, self._warn, self._abort = save, witness, bounds, warn, abort
-        self._exit = exit
+        self._exit, self._unblock = exit, unblock
         self._lock = threading.Lock()
         self._owner: str | None = None
         self._deadline: float | None = None
@@ -76,8 +87,12 @@ class FailureHandoff:
         error is not a peer's loss (a bug: the caller re-raises). Does not return when the watch thread
         owns the save: that one ends the process (or the watchdog does)."""
         self._main_failing.set()  # from here on the watch thread stands by
-        if not (isinstance(error, dist.DistError) or self._witness.confirms_peer_loss(self.bounds.confirm_s)):
+        if not (isinstance(error, (dist.DistError, RoundAbandoned)) or
+                self._witness.confirms_peer_loss(self.bounds.confirm_s)):
             return None
+        if self._unblock is not None and self._claim(IN_PLACE):
+            self._disarm()
+            return IN_PLACE
         self._arm()
         if not self._claim("main"):
             self._stand_by()
@@ -90,6 +105,10 @@ class FailureHandoff:
         self._arm()  # first: an abort can hang too
         if self._abort is not None:
             self._abort()
+        if self._unblock is not None:
+            self._unblock()
+            if self._main_failing.wait(self.bounds.in_place_s):
+                return  # the main thread ends the round in memory
         if self._main_failing.wait(self.bounds.takeover_s) or not self._claim("watch"):
             return  # the main thread owns the save; the watchdog bounds it
         if self._run_save("watch") is not None:
@@ -117,13 +136,18 @@ class FailureHandoff:
     def _arm(self) -> None:
         """Start the watchdog once, at the first sign of the loss on either thread."""
         with self._lock:
-            if self._watchdog is not None:
+            if self._watchdog is not None or self._owner == IN_PLACE:
                 return
             self._deadline = time.monotonic() + self.bounds.end_s
             self._watchdog = threading.Timer(self.bounds.end_s, self._expire)
             self._watchdog.daemon = True
             self._watchdog.name = "failure-watchdog"
             self._watchdog.start()
+
+    def _disarm(self) -> None:
+        with self._lock:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
 
     def _stand_by(self) -> None:
         """The other thread owns the save: wait for it to end the process, at most until the deadline."""

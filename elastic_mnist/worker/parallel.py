@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic_mnist.distributed import wait
+
 
 class DataParallel:
     """Forward through `module`; call `average_gradients()` after backward (a no-op where DDP did it)."""
@@ -31,9 +33,12 @@ class DataParallel:
             self._same_start()
 
     def _same_start(self) -> None:
-        # What DDP's constructor does: every rank starts from rank 0's parameters.
-        for p in self._params:
-            dist.broadcast(p.data, src=0)
+        # What DDP's constructor does: every rank starts from rank 0's parameters. Into a copy: a collective
+        # given up on a lost peer (a round in place) must not write into the model after the round ends.
+        flat = torch.cat([p.data.reshape(-1) for p in self._params])
+        wait(dist.broadcast(flat, src=0, async_op=True))
+        for p, value in zip(self._params, torch.split(flat, [p.numel() for p in self._params])):
+            p.data.copy_(value.view_as(p))
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -54,7 +59,7 @@ class DataParallel:
         used = self._used.new_tensor([0.0 if m else 1.0 for m in missing]) if any(missing) else self._used
         flat = torch.cat([g.reshape(-1) for g in grads] + [used])
         flat.div_(self.world_size)  # divided before the sum, as DDP's default communication hook does
-        dist.all_reduce(flat)
+        wait(dist.all_reduce(flat, async_op=True))
         parts = torch.split(flat, [g.numel() for g in grads] + [len(grads)])
         # Only a rank that lacks a gradient has to ask whether anyone used it (a host sync, off the usual path).
         anywhere = parts[-1].tolist() if any(missing) else None

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from elastic_mnist import exit_codes
@@ -44,6 +45,10 @@ class StopRequest:
         self._timer: threading.Timer | None = None
         self.at_once: str = ""
         """While set (what the worker is doing), a stop ends the process at once: nothing is loaded yet."""
+        self._before: Callable[[], str] | None = None
+        self.between_rounds = False
+        """A kept worker between rounds (worker/life.py): SIGTERM and SIGINT only end a round that already
+        ended (torchrun stops the stand-in it no longer needs); the node's end comes from the agent."""
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -51,8 +56,10 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         self.received += 1
+        if self.between_rounds and signum != signal.SIGHUP:
+            return  # a kept worker between rounds: its last round's stand-in passing on the end of that round
         if self.at_once and signum in _LEAVE_ON:
-            _exit_now(self.at_once)
+            _exit_now(self.at_once, self._before)
         if signum == signal.SIGHUP and self.orphaned:
             return  # the kernel may deliver the parent-death signal more than once; the timer bounds us
         if signum == signal.SIGINT:
@@ -84,55 +91,71 @@ class StopRequest:
     def orphaned(self) -> bool:
         return self.signum == signal.SIGHUP
 
+    def spent(self) -> None:
+        """The stop that ended a round is spent: a worker kept for the next round waits for another, and a
+        stop signal that comes before that round is about the round that ended (see between_rounds)."""
+        self.between_rounds = True
+        if not self.orphaned:
+            self.signum = None
+
+    def round_starts(self) -> None:
+        self.between_rounds = False
+
     @contextmanager
-    def leave_at_once(self, what: str):
-        """While the block runs this worker holds nothing to save (no state loaded: the newest is in its
-        files, the /dev/shm snapshots stay for the node's next worker), so a stop signal ends the process
-        at once, exit 0. Python runs a signal handler only between bytecodes, never inside the C++ call
-        that forms the process group, which waits up to --connect-timeout for peers that may be leaving;
-        the interpreter's wakeup fd is written from the C handler itself, so a thread sees it there."""
+    def leave_at_once(self, what: str, before: Callable[[], str] | None = None):
+        """While the block runs this worker holds nothing new to save (no state loaded this round: the newest
+        is in its files, its peers, or the /dev/shm snapshots for the node's next worker), so a stop signal
+        ends the process at once, exit 0, after `before()` (a kept worker saves what an earlier round left
+        it). Python runs a signal handler only between bytecodes, never inside the C++ call that forms the
+        process group, which waits up to --connect-timeout for peers that may be leaving; the interpreter's
+        wakeup fd is written from the C handler itself, so a thread sees it there."""
         if self.requested:
-            _exit_now(what)
+            _exit_now(what, before)
         if threading.current_thread() is not threading.main_thread():
             yield  # set_wakeup_fd is the main thread's (a worker run inside a test's thread)
             return
-        self.at_once = what  # the handler, between bytecodes (the start-up cost's sleep)
+        self.at_once, self._before = what, before  # the handler, between bytecodes (the start-up cost's sleep)
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         previous = signal.set_wakeup_fd(write_fd)
         done = threading.Event()
-        threading.Thread(target=_watch, args=(read_fd, done, what), daemon=True, name="stop-watch").start()
+        threading.Thread(target=_watch, args=(read_fd, done, what, before), daemon=True, name="stop-watch").start()
         try:
             if self.requested:  # came before the wakeup fd was in place
-                _exit_now(what)
+                _exit_now(what, before)
             yield
         finally:
-            self.at_once = ""
+            self.at_once, self._before = "", None
             done.set()
             signal.set_wakeup_fd(previous)
             os.write(write_fd, b"\0")  # wakes the watcher, which closes the read end
             os.close(write_fd)
         if self.requested:  # it came as the block ended
-            _exit_now(what)
+            _exit_now(what, before)
 
 
 _LEAVE_ON = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
 
 
-def _watch(read_fd: int, done: threading.Event, what: str) -> None:
+def _watch(read_fd: int, done: threading.Event, what: str, before: Callable[[], str] | None) -> None:
     try:
         while not done.is_set():
             data = os.read(read_fd, 64)
             if not done.is_set() and _LEAVE_ON & set(data):
-                _exit_now(what)
+                _exit_now(what, before)
     finally:
         os.close(read_fd)
 
 
-def _exit_now(what: str) -> None:
+def _exit_now(what: str, before: Callable[[], str] | None = None) -> None:
+    saved = ""
+    try:
+        saved = before() if before is not None else ""
+    except Exception as e:  # noqa: BLE001 - the exit must happen; the newest state is still with the peers
+        saved = f"not saved: {type(e).__name__}: {e}"
     try:  # (from a signal handler the stream may be mid-write: the exit matters, not the line)
-        print(f"elastic-mnist train: stop requested {what}: nothing loaded, nothing to save; exiting now",
-              file=sys.stderr, flush=True)
+        held = f"state saved ({saved})" if saved else "nothing loaded, nothing to save"
+        print(f"elastic-mnist train: stop requested {what}: {held}; exiting now", file=sys.stderr, flush=True)
         sys.stdout.flush()
     except (OSError, RuntimeError, ValueError):
         pass

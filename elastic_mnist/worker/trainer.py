@@ -18,7 +18,6 @@ from torch import nn
 
 from elastic_mnist import distributed
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.metrics import Metrics, Throughput, process_age_s
 from elastic_mnist.runlog import RunLog
@@ -57,17 +56,19 @@ class Reporting:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, env: DistEnv, learner: Learner, inputs, plan: BatchPlan,
-                 checkpoints: CheckpointManager, report: Reporting, control: ControlPlane):
+    def __init__(self, config: TrainConfig, env: DistEnv, learner: Learner, inputs, checkpoints: CheckpointManager,
+                 report: Reporting, control: ControlPlane, in_place: bool = False):
+        """`in_place`: this process outlives its round (worker/life.py): a lost peer ends the round in memory
+        instead of the process, and a stop leaves the state in memory instead of saving it."""
         self.config, self.env, self.rank, self.world_size = config, env, env.rank, env.world_size
         self.task, self.model, self.optimizer = learner.task, learner.model, learner.optimizer
         self.replicas = DataParallel(self.model, env.world_size)
         self.math = StepMath(config, learner.task, self.replicas, self.optimizer, learner.scheduler, learner.scaler)
-        self.inputs, self.plan = inputs, plan
+        self.inputs, self.plan, self.in_place = inputs, inputs.plan, in_place
         self.checkpoints, self.report, self.metrics, self.control = checkpoints, report, report.metrics, control
         self.stop = control.stop
         self.progress = learner.progress
-        epochs_steps = config.epochs * plan.steps_per_epoch
+        epochs_steps = config.epochs * self.plan.steps_per_epoch
         self.total_steps = min(epochs_steps, config.max_steps) if config.max_steps else epochs_steps
         self.device = next(self.model.parameters()).device
         self.throughput = Throughput()
@@ -77,7 +78,8 @@ class Trainer:
         # step agree, so the peer watch may save them from its own thread while this one is blocked.
         self._state_lock = threading.Lock()
         abort = distributed.abort_data_group if self.device.type == "cuda" else None
-        self.failure = FailureHandoff(self._save_last_step, control, Bounds.of(config), self.metrics.warn, abort)
+        self.failure = FailureHandoff(self._save_last_step, control, Bounds.of(config), self.metrics.warn, abort,
+                                      unblock=distributed.abandon_round if in_place else None)
 
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +180,7 @@ class Trainer:
                                    torch.tensor(float(len(y)), device=self.device, dtype=torch.float64)])
         self.model.train()
         if self.world_size > 1:
-            dist.all_reduce(totals)
+            distributed.wait(dist.all_reduce(totals, async_op=True))
         loss_sum, correct, count = totals.tolist()
         step = self.progress.step
         result = {"step": step, "test_loss": loss_sum / count, "test_accuracy": correct / count}
@@ -215,7 +217,8 @@ class Trainer:
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
             self.evaluate()
-        self.checkpoints.finish(superseded=self.superseded)
+        if not (self.in_place and self.stopped_early):  # kept in memory: saved at the node's end, if ever
+            self.checkpoints.finish(superseded=self.superseded)
         if self.world_size > 1:
             self.control.agree([0.0])  # nobody restarts and reads before rank 0's final write is durable
         self.control.leave()

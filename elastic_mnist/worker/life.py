@@ -1,0 +1,219 @@
+"""The life of a worker process, in one place: build, then round after round (attach, round start, round end),
+then its node's end.
+
+    torchrun --rdzv-backend=etcd-v3 ... -m elastic_mnist.train ...   # rounds in place (the backend's default)
+    torchrun --rdzv-backend=c10d ... -m elastic_mnist.train ...      # one round per process
+
+A worker builds once (worker/build.py: device, data, model, optimizer, the task's state) and then trains
+rounds. torchrun starts a process for every round; under etcd-v3 with in-place rounds that process only stands
+in for this one (warm/kept.py). At the end of a round this process tears down its process groups, its stand-in
+exits, and it waits for the next round's stand-in, keeping everything it built and the state it trained. The
+next round agrees on the newest state with its peers; its own memory counts as a state at its last agreed
+step, and nothing is decoded when that wins. Elsewhere a process lives one round, as torchrun expects.
+
+How a round ends, and what its stand-in exits with:
+  done .............................................. 0; the process ends
+  a stop asked of this node (SIGTERM) ............... 0; kept: waits (its agent restarts, or ends it)
+  a peer's stop, a newer group, no group formed ...... 75 (torchrun forms the next round); kept: waits
+  a peer lost in a collective ........................ kept: 75, waits, from its last agreed step;
+                                                      else: saved, 75, the process ends (worker/failure.py)
+A kept process ends when its node does (its agent ends: it saves what it holds where a restart finds it), when
+no round comes within --round-timeout (the same), or on a fallback: a teardown that failed, a round it cannot
+take. It then saves and exits, and torchrun's next start of this rank is a fresh process. Each fallback is one
+line on stderr and a "fallback" record in the journal.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+
+from elastic_mnist import distributed, exit_codes
+from elastic_mnist.metrics import process_age_s
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.manager import CheckpointManager
+from elastic_mnist.state.registry import cpu_snapshot
+from elastic_mnist.warm import kept
+from elastic_mnist.worker.build import Process, build_process, build_round
+from elastic_mnist.worker.control import ControlPlane
+from elastic_mnist.worker.failure import IN_PLACE
+from elastic_mnist.worker.stop import StopRequest
+from elastic_mnist.worker.task import Task
+from elastic_mnist.worker.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Ending:
+    code: int
+    """What this round's stand-in (or the process) exits with."""
+    goes_on: bool
+    """Whether a kept process may serve the next round."""
+    lost: bool = False
+    """A peer was lost: the round's groups are given up, not closed."""
+
+
+class Life:
+    def __init__(self, config, task: Task, stop: StopRequest, marks: dict) -> None:
+        self.config, self.task, self.stop, self.marks = config, task, stop, marks
+        self.session = kept.session()
+        self.proc: Process | None = None
+        self.last: CheckpointManager | None = None  # the last round's: it saves what the process holds at its end
+
+    def run(self) -> int:
+        self._build()
+        while True:
+            if self.session is not None and not self.session.attached:
+                what, why = self.session.wait(self.config.round_timeout, lambda: self.stop.requested)
+                if what != "attach":
+                    return self._node_end(what, why)
+                self.marks = {}
+            self.stop.round_starts()
+            ending = self._round()
+            if self.session is None:
+                return ending.code
+            if not ending.goes_on:  # an orphan's stop, say: what the round left in memory goes to disk first
+                self._save_held()
+                return ending.code
+            problem = self._round_end(ending)
+            if problem:
+                return self._fall_back(problem, ending.code)
+
+    def _build(self) -> None:
+        """Once per process; a stop meanwhile ends it at once (nothing is loaded yet)."""
+        local_rank, local_world = distributed.read_local()
+        with self.stop.leave_at_once("during the worker's start-up"):
+            pay_startup_cost(self.config.startup_cost, self.stop)
+            self.marks["startup_cost"] = time.time()
+            device = distributed.pick_device(self.config.backend, local_rank, local_world)
+            self.proc = build_process(self.config, self.task, device, self.marks)
+        if self.session is not None and not self.session.attached:
+            self.session.ready()  # built before its round: the agent may join
+
+    def _round(self) -> Ending:
+        config, env = self.config, distributed.read_env()
+        now = time.time()  # its stand-in: where torchrun started this round's process (warm/kept.py)
+        self.proc.marks = {**self.marks, "stand_in": now - process_age_s(), "attached": now}
+        # Until the state is agreed, a stop has nothing new to save: a process holding an earlier round's state
+        # saves that first, any other exits at once (the newest state is in its files or with its peers). This
+        # spares torchrun's 30 s wait on a worker forming a group with peers that are leaving.
+        with self.stop.leave_at_once("before the process group formed", before=self._save_held):
+            try:
+                distributed.init(env, config.backend, config.collective_timeout, config.connect_timeout)
+            except distributed.GroupFormationError as e:  # nothing trained: torchrun forms the next round
+                print(f"elastic-mnist train: {e}; exiting for torchrun to form a new round", file=sys.stderr,
+                      flush=True)
+                return Ending(exit_codes.RESTART, goes_on=True)
+        self.proc.marks["process_group"] = time.time()
+        with ExitStack() as stack:
+            if self.session is None:
+                stack.callback(distributed.close)
+            config.check_world_size(env.world_size)
+            control = ControlPlane(env.world_size, config, self.stop, env.peer_beacons)
+            stack.callback(control.leave)
+            trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
+            self.last = trainer.checkpoints
+            return self._train(trainer)
+
+    def _train(self, trainer: Trainer) -> Ending:
+        try:
+            summary = trainer.train()
+        except Exception as e:
+            where = trainer.handle_failure(e) if trainer.world_size > 1 else None
+            if where is None:
+                raise
+            step = trainer.progress.step
+            if where == IN_PLACE:
+                trainer.checkpoints.rollback()  # a device that ran ahead goes back to the last agreed step
+                self.proc.held = trainer.checkpoints.held()
+                trainer.metrics.warn(f"collective failed at step {step} (a peer died or froze): {_first(e)}; state "
+                                     f"of step {self.proc.held.step} kept in memory for the next round")
+                return Ending(exit_codes.RESTART, goes_on=True, lost=True)
+            trainer.metrics.warn(f"collective failed at step {step} (a peer died or froze): {_first(e)}; state "
+                                 f"saved ({where}); exiting for torchrun to restart")
+            return Ending(exit_codes.RESTART, goes_on=False)
+        if trainer.stopped_early:
+            self.proc.held = trainer.checkpoints.held()
+            asked = trainer.stop.requested
+            return Ending(exit_codes.OK if asked else exit_codes.RESTART, goes_on=not trainer.stop.orphaned)
+        write_final(self.config, trainer, summary)
+        return Ending(exit_codes.OK, goes_on=False)
+
+    def _round_end(self, ending: Ending) -> str:
+        """The round's groups go; its stand-in exits with the round's code; the stop that ended it is spent.
+        "" when this process may serve the next round, else why not."""
+        problem = distributed.teardown(abandoned=ending.lost)
+        if problem:
+            return problem
+        self.session.detach(ending.code)
+        self.stop.spent()
+        return ""
+
+    def _fall_back(self, problem: str, code: int) -> int:
+        where = self._save_held()
+        self._journal("fallback", reason=problem, saved=where)
+        print(f"elastic-mnist train: in-place round end failed ({problem}); state saved ({where}); this worker "
+              "exits and its next round starts a fresh one", file=sys.stderr, flush=True)
+        self.session.detach(code)
+        return code
+
+    def _node_end(self, what: str, why: str) -> int:
+        """The node ends (its agent ends), a stop came between rounds, no round came in time, or the round's
+        worker is another: what this process holds goes where a restart finds it, then it exits."""
+        reason = {"end": why, "stop": "its agent died (SIGHUP)",
+                  "timeout": f"no new round within --round-timeout {self.config.round_timeout:.0f}s",
+                  "refuse": f"it cannot serve this round ({why})"}[what]
+        where = self._save_held()
+        if what == "refuse":
+            self._journal("fallback", reason=reason, saved=where)
+            self.session.refuse(why)
+        print(f"elastic-mnist train: leaving ({reason}); {'state saved (' + where + ')' if where else 'nothing held'}",
+              file=sys.stderr, flush=True)
+        return exit_codes.OK
+
+    def _save_held(self) -> str:
+        """Save the state this process holds between rounds (any rank may: the publish is no-clobber)."""
+        if self.proc is None or self.proc.held is None or self.last is None:
+            return ""
+        return self.last.save_on_failure()
+
+    def _journal(self, kind: str, **fields) -> None:
+        if self.last is not None:
+            self.last.metrics.event(kind, **fields)
+
+
+def live(config, task: Task, stop: StopRequest, marks: dict) -> int:
+    """The worker, from its flags to its exit code."""
+    return Life(config, task, stop, marks).run()
+
+
+def pay_startup_cost(seconds: float, stop: StopRequest) -> None:
+    """--startup-cost: what a GPU job spends once per process (CUDA context, NCCL set-up, model load) that this
+    CPU MLP does not, so a replay's recoveries cost what a real job's would. A stop cuts it short."""
+    deadline = time.monotonic() + seconds
+    while not stop.requested and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.1))
+
+
+def write_final(config, trainer: Trainer, summary: dict) -> None:
+    trainer.checkpoints.mark_finished(summary)
+    if trainer.rank != 0:
+        return
+    trainer.metrics.mark_outputs()
+    buf = io.BytesIO()
+    torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
+    checkpoint.write_durable(os.path.join(config.log_dir, "model.pt"), buf.getvalue(), replace=True)
+    trainer.metrics.write_summary(summary)
+    trainer.metrics.event("done", f"[done] step {summary['global_step']} test_accuracy "
+                          f"{summary['test_accuracy']:.4f} samples/s {summary['samples_per_s']:.0f}; summary in "
+                          f"{config.log_dir}/summary.json", step=summary["global_step"],
+                          test_accuracy=summary["test_accuracy"])
+
+
+def _first(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
