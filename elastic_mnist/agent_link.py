@@ -17,19 +17,47 @@ import shutil
 import stat
 import tempfile
 
-from elastic_mnist import files
+from elastic_mnist import files, procs
 
 AGENT_DIR_ENV = "ELASTIC_MNIST_AGENT_DIR"
 CONFIG_ERROR = "config-error"
 _MAX_LINE = 4096  # a line, not a file: what a worker writes here is read back bounded
 
 
+PREFIX = "elastic-mnist-agent-"
+
+
 def create(environ=os.environ) -> str:
-    """A new private directory for this agent, named in `environ` for its workers; removed at exit."""
-    path = tempfile.mkdtemp(prefix="elastic-mnist-agent-")  # 0700, owned by this user
+    """A new private directory for this agent, named in `environ` for its workers; removed at exit. Its
+    name holds the agent's pid and start time: the directories of agents that were killed (no exit handler
+    ran) are removed by the next agent of this user on this machine."""
+    sweep_dead(tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{procs.start_ticks(os.getpid())}-")  # 0700, ours
     environ[AGENT_DIR_ENV] = path
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+def sweep_dead(parent: str) -> list[str]:
+    """Remove this user's agent directories under `parent` whose agent is gone (its pid dead or reused)."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        pid, ticks, *_ = (name[len(PREFIX):].split("-") + ["", ""])
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and pid.isdigit() and ticks.isdigit()):
+            continue  # not one this runtime made for this user: never touched
+        if procs.start_ticks(int(pid)) != int(ticks):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def directory(environ=os.environ) -> str:

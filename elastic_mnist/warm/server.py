@@ -326,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan", default="", help="the agent's worker (plan.py, JSON): fork it before its round")
     parser.add_argument("--probe-timeout", type=float, default=probe.PROBE_TIMEOUT_S, help="the fork probe's bound")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the agent's to handle; we end with it
+    # A Ctrl-C, or a SIGTERM to every process of the node, is the agent's to handle: it stops its workers and
+    # ends, and this process ends with it, after its workers (their forks reset these).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     plan = WorkerPlan.from_json(json.loads(args.plan)) if args.plan else None
     try:
         server = Server(args.address, args.agent, args.in_place, plan)

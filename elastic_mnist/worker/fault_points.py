@@ -6,7 +6,9 @@ death or freeze inside the data collective or inside the control agreement, whic
 kind: stop (SIGSTOP, a frozen machine) or kill (SIGKILL); at: data (before the step's forward pass, so
 its peers wait in the gradient all-reduce) or control (after the optimizer step, so its peers wait in the
 per-step agreement). Fires once, and only in a process that trained a step before that point (a worker
-restarted at that step does not fire again). Unset in production: nothing happens.
+restarted at that step does not fire again). kind fail, at teardown (rank any by default): the end of the
+first in-place round that ends at or after that step reports its teardown as failed (worker/life.py falls
+back to a fresh start). Unset in production: nothing happens.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 VARIABLE = "ELASTIC_MNIST_FAULT"
 _SIGNALS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}
+_PLACES = {"stop": ("data", "control"), "kill": ("data", "control"), "fail": ("teardown",)}
 
 
 def parse(text: str) -> dict | None:
@@ -25,9 +28,11 @@ def parse(text: str) -> dict | None:
         return None
     kind, *pairs = text.split(":")
     fields = dict(p.split("=", 1) for p in pairs)
-    if kind not in _SIGNALS or fields.get("at") not in ("data", "control"):
-        raise ValueError(f"{VARIABLE}={text!r}: expected stop|kill:rank=R:step=S:at=data|control")
-    return {"kind": kind, "rank": int(fields["rank"]), "step": int(fields["step"]), "at": fields["at"]}
+    if fields.get("at") not in _PLACES.get(kind, ()):
+        raise ValueError(f"{VARIABLE}={text!r}: expected stop|kill:rank=R:step=S:at=data|control or "
+                         "fail:rank=R:step=S:at=teardown")
+    rank = fields.get("rank", "any")  # a fail may name no rank: whichever the process holds (tests pick a node)
+    return {"kind": kind, "rank": -1 if rank == "any" else int(rank), "step": int(fields["step"]), "at": fields["at"]}
 
 
 class FaultPoints:
@@ -35,9 +40,19 @@ class FaultPoints:
         self.fault = parse(os.environ.get(VARIABLE, "") if text is None else text)
         self.rank, self.start_step = rank, start_step
 
+    def failure(self, at: str, step: int) -> str:
+        """The failure injected at `at` for this rank once `step` is reached ("" when none): fires once."""
+        f = self.fault
+        if f is None or f["kind"] != "fail" or f["at"] != at or f["rank"] not in (-1, self.rank) or \
+                not self.start_step < f["step"] <= step:
+            return ""
+        self.fault = None
+        return f"{at} failed ({VARIABLE})"
+
     def reach(self, at: str, step: int) -> None:
         f = self.fault
-        if f is not None and (f["rank"], f["step"], f["at"]) == (self.rank, step, at) and step > self.start_step:
+        if f is not None and f["kind"] in _SIGNALS and (f["rank"], f["step"], f["at"]) == (self.rank, step, at) \
+                and step > self.start_step:
             self.fault = None
             print(f"[fault] {f['kind']} at step {step} ({at}) time {time.time():.3f}", flush=True)
             os.kill(os.getpid(), _SIGNALS[f["kind"]])

@@ -36,6 +36,7 @@ import torch
 
 from elastic_mnist import distributed, exit_codes
 from elastic_mnist.metrics import process_age_s
+from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import cpu_snapshot
@@ -43,6 +44,7 @@ from elastic_mnist.warm import kept
 from elastic_mnist.worker.build import Process, build_process, build_round
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.failure import IN_PLACE
+from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.stop import StopRequest
 from elastic_mnist.worker.task import Task
 from elastic_mnist.worker.trainer import Trainer
@@ -63,7 +65,9 @@ class Life:
         self.config, self.task, self.stop, self.marks = config, task, stop, marks
         self.session = kept.session()
         self.proc: Process | None = None
+        self.faults: FaultPoints | None = None  # tests' injected failures (fault_points.py), from the first round
         self.last: CheckpointManager | None = None  # the last round's: it saves what the process holds at its end
+        self.env: distributed.DistEnv | None = None  # the last round's place in the job
 
     def run(self) -> int:
         self._build()
@@ -97,6 +101,9 @@ class Life:
 
     def _round(self) -> Ending:
         config, env = self.config, distributed.read_env()
+        self.env = env
+        if self.faults is None:
+            self.faults = FaultPoints(env.rank, self._step())
         now = time.time()  # its stand-in: where torchrun started this round's process (warm/kept.py)
         self.proc.marks = {**self.marks, "stand_in": now - process_age_s(), "attached": now}
         # Until the state is agreed, a stop has nothing new to save: a process holding an earlier round's state
@@ -131,6 +138,7 @@ class Life:
             if where == IN_PLACE:
                 trainer.checkpoints.rollback()  # a device that ran ahead goes back to the last agreed step
                 self.proc.held = trainer.checkpoints.held()
+                trainer.metrics.event("collective_failed", step=self.proc.held.step, in_place=True)
                 trainer.metrics.warn(f"collective failed at step {step} (a peer died or froze): {_first(e)}; state "
                                      f"of step {self.proc.held.step} kept in memory for the next round")
                 return Ending(exit_codes.RESTART, goes_on=True, lost=True)
@@ -147,7 +155,7 @@ class Life:
     def _round_end(self, ending: Ending) -> str:
         """The round's groups go; its stand-in exits with the round's code; the stop that ended it is spent.
         "" when this process may serve the next round, else why not."""
-        problem = distributed.teardown(abandoned=ending.lost)
+        problem = distributed.teardown(abandoned=ending.lost) or self.faults.failure("teardown", self._step())
         if problem:
             return problem
         self.session.detach(ending.code)
@@ -182,9 +190,16 @@ class Life:
             return ""
         return self.last.save_on_failure()
 
+    def _step(self) -> int:
+        return self.proc.learner.progress.step if self.proc is not None else -1
+
     def _journal(self, kind: str, **fields) -> None:
-        if self.last is not None:
-            self.last.metrics.event(kind, **fields)
+        """A record of this process between rounds, as one of its last round's (whose journal is closed)."""
+        env = self.env
+        if env is not None:
+            with RunLog(self.config.log_dir, "", env.rank, env.world_size, env.restart_count, env.node,
+                        self.proc.rounds - 1) as journal:
+                journal.event(kind, **fields)
 
 
 def live(config, task: Task, stop: StopRequest, marks: dict) -> int:

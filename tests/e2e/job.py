@@ -30,14 +30,19 @@ class Job:
         self.node_env: dict[int, dict] = {}  # node index -> extra environment of its process tree only
 
     def start(self) -> None:
-        targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes)
         for i in range(self.nodes):
-            log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
-            argv = self.command(i, procs.torchrun_command(targs, self.train_args))
-            self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                env=procs.child_env(**self.env, **self.node_env.get(i, {})),
-                                                start_new_session=True, preexec_fn=procs.die_with_parent_preexec()))
-            log.close()
+            self.start_node(i)
+
+    def start_node(self, i: int) -> subprocess.Popen:
+        """Node i's agent (again: a kubelet's restart, or a replacement machine under that name)."""
+        targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes)
+        log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
+        argv = self.command(i, procs.torchrun_command(targs, self.train_args))
+        self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            env=procs.child_env(**self.env, **self.node_env.get(i, {})),
+                                            start_new_session=True, preexec_fn=procs.die_with_parent_preexec()))
+        log.close()
+        return self.agents[-1]
 
     def command(self, node: int, argv: list[str]) -> list[str]:
         """How node `node`'s agent is started: here, on this machine."""
