@@ -73,7 +73,13 @@ def run_torchrun(torchrun_args: list[str], train_args: list[str], timeout: float
                           text=True, timeout=timeout, env=worker_env(), cwd=REPO)
 
 
-from etcd_fixtures import etcd_server, etcd_server_auth, etcd_server_v3only  # noqa: E402,F401  (real etcd fixtures)
+from etcd_fixtures import (  # noqa: E402,F401  (real etcd fixtures)
+    _module_etcd_v3only,
+    etcd_server,
+    etcd_server_auth,
+    etcd_server_v3only,
+    etcd_v3only_wiped,
+)
 from netns import etcd_host, hosts  # noqa: E402,F401  (several hosts on one machine: network namespaces)
 
 

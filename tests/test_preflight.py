@@ -37,6 +37,12 @@ def failed(lines: list[str]) -> list[str]:
     return [line for line in lines if "FAILED" in line]
 
 
+@pytest.fixture
+def etcd_server_v3only(etcd_v3only_wiped):
+    """One etcd for the module, emptied before each test (each test's keys are its own)."""
+    return etcd_v3only_wiped
+
+
 def test_the_pods_torchrun_arguments_are_understood_word_for_word():
     launch = parse_launch(["--nnodes=1:3", "--nproc-per-node=1", "--rdzv-backend=etcd", "--rdzv-endpoint=etcd:2379",
                            "--rdzv-id=uid-1", "--rdzv-conf=timeout=600,last_call_timeout=1,protocol=https",

@@ -72,6 +72,12 @@ def state_bits(round_: int) -> bytes:
     return pickle.dumps(state)
 
 
+
+@pytest.fixture
+def etcd_server_v3only(etcd_v3only_wiped: EtcdServer) -> EtcdServer:
+    """One etcd for the module, emptied before each test (each test's keys are its own)."""
+    return etcd_v3only_wiped
+
 @pytest.fixture(params=["unsealed", "sealed"])
 def connect(request: pytest.FixtureRequest, etcd_server_v3only: EtcdServer,
             tmp_path: Path) -> Callable[[], EtcdV3RendezvousBackend]:

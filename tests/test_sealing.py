@@ -35,6 +35,12 @@ def _secret(tmp_path: Path) -> str:
     return str(path)
 
 
+@pytest.fixture
+def etcd_server_v3only(etcd_v3only_wiped):
+    """One etcd for the module, emptied before each test (each test's keys are its own)."""
+    return etcd_v3only_wiped
+
+
 def test_a_store_value_planted_without_the_secret_is_never_returned(tmp_path, etcd_server_v3only: EtcdServer,
                                                                    capsys) -> None:
     _, store = create_backend(rdzv_params(etcd_server_v3only.endpoint, "job", secret_file=_secret(tmp_path)))

@@ -60,6 +60,12 @@ VIEWS = ["etcd-v3-store", "prefix-store"]
 RUN_ID = "conformance"
 
 
+
+@pytest.fixture
+def etcd_server_v3only(etcd_v3only_wiped: EtcdServer) -> EtcdServer:
+    """One etcd for the module, emptied before each test (each test's keys are its own)."""
+    return etcd_v3only_wiped
+
 @pytest.fixture
 def connect(etcd_server_v3only: EtcdServer) -> Iterator[Callable[..., dist.Store]]:
     """connect(view) -> a store on its own etcd connection, as another agent would have; all of one

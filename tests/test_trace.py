@@ -47,12 +47,12 @@ def test_a_bad_trace_is_one_clear_error(tmp_path, doc):
 
 def test_launcher_flags_load_the_window_and_check_the_node_cap(tmp_path):
     path = _trace(tmp_path, [1, 2, 4, 0])
-    args, *_ = parse(["--trace", path, "--trace-window", "0:2", "--max-nodes", "2", "--run-dir", str(tmp_path)])
+    args, *_ = parse(["--trace", path, "--trace-window", "0:2", "--max-nodes", "2", "--run-dir", str(tmp_path / "run")])
     assert (args.trace_counts, args.nodes) == ([1, 2], 0), "the replay starts every node itself"
     with pytest.raises(UserError, match="--max-nodes"):
-        parse(["--trace", path, "--max-nodes", "2", "--run-dir", str(tmp_path)])
+        parse(["--trace", path, "--max-nodes", "2", "--run-dir", str(tmp_path / "run")])
     with pytest.raises(UserError, match="--chaos"):
-        parse(["--trace", path, "--chaos", "kill:n0@step=1", "--run-dir", str(tmp_path)])
+        parse(["--trace", path, "--chaos", "kill:n0@step=1", "--run-dir", str(tmp_path / "run")])
 
 
 def test_interval_arithmetic():
@@ -72,7 +72,7 @@ def _run() -> goodput.Run:
         return {"event": "startup", "pid": pid, "rank": 0, "time": t0 + 2,
                 "phases": {"process_start": t0, "imports": t0 + 0.5, "startup_cost": t0 + 1.0, "resumed": t0 + 1.5}}
 
-    processes = {1: [rec(1, s, 3.5 + s) for s in range(4)], 2: [rec(2, 3, 17.0), rec(2, 4, 18.0)]}
+    processes = {(1, 0): [rec(1, s, 3.5 + s) for s in range(4)], (2, 0): [rec(2, 3, 17.0), rec(2, 4, 18.0)]}
     journal = [start(1, 1.0), start(2, 15.0), {"event": "stop", "pid": 1, "rank": 0, "time": 7.0}]
     events = [{"kind": "join", "node": "n0", "time": 0.0, "recovery_s": 3.5},
               {"kind": "preempt", "node": "n0", "time": 10.0, "recovery_s": None},

@@ -150,6 +150,7 @@ def test_the_server_refuses_another_interpreter(warm):
     assert "python9" in _ask(warm[_wire.ADDRESS_ENV], request)["refused"]
 
 
+@pytest.mark.slow  # a warm process of its own (torch imported again)
 def test_the_server_ends_with_its_agent(tmp_path):
     agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ready_r, ready_w = os.pipe()
@@ -312,6 +313,7 @@ def test_a_kept_worker_that_is_not_the_rounds_worker_leaves_and_a_fresh_one_serv
     assert procs.wait_exit(first["pid"], 30)
 
 
+@pytest.mark.slow  # a warm process of its own (torch imported again)
 def test_kept_workers_end_with_their_agent(tmp_path):
     environ: dict[str, str] = {}
     warm = start_for_workers(agent_link.create(environ), environ)

@@ -114,6 +114,8 @@ class Launcher:
     def __init__(self, args, config: TrainConfig, given: set[str], faults: list[chaos.Fault]):
         self.args, self.config, self.given, self.faults = args, config, given, faults
         self.run_id = f"local-{os.getpid()}-{int(time.time())}"  # a closed rendezvous id cannot be reused
+        os.makedirs(args.run_dir, exist_ok=True)  # checked by parse(): new, empty or a launcher's own
+        files.atomic_write(os.path.join(args.run_dir, RUN_DIR_MARK), "an elastic-mnist local run dir\n")
         self.nodes: dict[str, Node] = {}
         self.events: list[chaos.Event] = []
         self.tail = RunTail(config.sample_log, config.log_dir)
@@ -250,8 +252,6 @@ class Launcher:
     def _run(self) -> int:
         from elastic_mnist.etcd.server import EtcdServer, free_port
 
-        os.makedirs(self.args.run_dir, exist_ok=True)
-        files.atomic_write(os.path.join(self.args.run_dir, RUN_DIR_MARK), "an elastic-mnist local run dir\n")
         self.view.event(f"run dir {self.args.run_dir}")
         server = self.hosts.etcd if self.hosts else EtcdServer
         self.etcd = server(data_dir=os.path.join(self.args.run_dir, "etcd"), binary=self.args.etcd_binary,
