@@ -11,7 +11,7 @@ import json
 from bench.runner import BenchError, Runner, log, python_m, ratio, shown, spread
 from bench.settings import HOST_REPEATS, HOST_SCENARIOS, REPEATED_SCENARIOS, Settings
 
-BREAKDOWN = ("detection_s", "rendezvous_s", "imports_s", "resume_s", "first_step_s")
+BREAKDOWN = ("detection_s", "rendezvous_s", "attach_s", "process_group_s", "state_s", "first_step_s")
 
 
 def scenario(name: str, s: Settings) -> tuple[int, str, int]:
@@ -47,7 +47,8 @@ def run_local(runner: Runner, s: Settings, name: str, nodes: int, max_nodes: int
 
 
 def _event(e: dict, cold_start: float | None) -> dict:
-    keep = ("kind", "node", "at_step", "world_size_before", "world_size_after", "recovery_s", "steps_redone")
+    keep = ("kind", "node", "at_step", "world_size_before", "world_size_after", "recovery_s", "stall_s",
+            "steps_redone")
     out = {k: e.get(k) for k in keep}
     out["breakdown"] = {k: (e.get("breakdown") or {}).get(k) for k in BREAKDOWN} if e.get("breakdown") else None
     out["recovery_over_cold_start"] = ratio(e.get("recovery_s"), cold_start)

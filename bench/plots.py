@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt
 from bench.elastic import BREAKDOWN
 
 IMPLS = (("ours", "ours (elastic trainer)"), ("seed", "seed loop"), ("bare", "bare loop (ceiling)"))
-COLORS = {"detection_s": "#d62728", "rendezvous_s": "#ff7f0e", "imports_s": "#9467bd", "resume_s": "#1f77b4",
-          "first_step_s": "#2ca02c"}
+COLORS = {"detection_s": "#d62728", "rendezvous_s": "#ff7f0e", "attach_s": "#9467bd", "process_group_s": "#8c564b",
+          "state_s": "#1f77b4", "first_step_s": "#2ca02c"}
 
 
 def throughput_plot(results: dict, path: Path) -> None:

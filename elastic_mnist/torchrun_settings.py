@@ -25,20 +25,21 @@ RDZV_CONF = {
 }
 
 
-def rdzv_conf(backend: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in RDZV_CONF[backend].items())
+def rdzv_conf(backend: str, extra: dict | None = None) -> str:
+    return ",".join(f"{k}={v}" for k, v in {**RDZV_CONF[backend], **(extra or {})}.items())
 
 
 def torchrun_args(backend: str, endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 4,
-                  nproc_per_node: int | str = 1) -> list[str]:
-    """The torchrun flags for one node of an elastic job (the program and its flags follow)."""
+                  nproc_per_node: int | str = 1, conf: dict | None = None) -> list[str]:
+    """The torchrun flags for one node of an elastic job (the program and its flags follow); `conf`: more
+    --rdzv-conf keys (the user's), over the tuned ones."""
     return [
         f"--nnodes={min_nodes}:{max_nodes}",
         f"--nproc-per-node={nproc_per_node}",
         f"--rdzv-backend={backend}",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        *([f"--rdzv-conf={rdzv_conf(backend)}"] if RDZV_CONF[backend] else []),
+        *([f"--rdzv-conf={rdzv_conf(backend, conf)}"] if RDZV_CONF[backend] or conf else []),
         f"--max-restarts={MAX_RESTARTS}",
         f"--monitor-interval={MONITOR_INTERVAL}",
     ]

@@ -91,7 +91,9 @@ def test_overhead_and_recovery_numbers(quick):
     (event,) = run["events"]
     assert (event["world_size_before"], event["world_size_after"]) == (2, 1)
     assert event["recovery_s"] > 0 and event["recovery_over_cold_start"] > 0 and event["steps_redone"] >= 0
-    assert set(event["breakdown"]) == {"detection_s", "rendezvous_s", "imports_s", "resume_s", "first_step_s"}
+    assert set(event["breakdown"]) == {"detection_s", "rendezvous_s", "attach_s", "process_group_s", "state_s",
+                                       "first_step_s"}
+    assert event["breakdown"]["attach_s"] is not None and event["stall_s"] > 0
     assert results["time_to_accuracy"]["runs"] == [] and results["time_to_accuracy"]["skipped"]
 
 

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--rdzv-backend", choices=["etcd", "etcd-v3", "c10d"], default="etcd-v3",
                    help="rendezvous backend (default etcd-v3: faster recovery than torch's etcd or c10d)")
+    p.add_argument("--rdzv-conf", default="", help="more torchrun --rdzv-conf keys over the tuned ones, e.g. "
+                   "in_place=0 (workers start afresh at every membership change) or last_call_timeout=2")
     p.add_argument("--chaos", default="",
                    help="fault schedule, e.g. 'kill:n1@step=200,join@step=400' (see docs/local.md)")
     p.add_argument("--run-dir", default="", help="where logs, checkpoints and report.json go (default runs/local-TIME)")
@@ -59,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "namespace: own address and host name), for the chaos kinds vanish, down, cut, heal (root)")
     trace.add_flags(p)
     return p
+
+
+def _rdzv_conf(text: str, backend: str) -> dict:
+    """--rdzv-conf KEY=VALUE,...; for etcd-v3 each key and value is checked as the agents will check them."""
+    if backend == "etcd-v3":
+        from elastic_mnist.rendezvous.conf import parse_conf
+
+        return parse_conf(text)
+    items = [item.partition("=") for item in filter(None, text.split(","))]
+    if any(not sep for _, sep, _ in items):
+        raise UserError(f"--rdzv-conf {text!r}: expected KEY=VALUE,...")
+    return {k: v for k, _, v in items}
 
 
 RUN_DIR_MARK = ".elastic-mnist-local"  # in every --run-dir a launcher made: its etcd data, logs and state
@@ -88,6 +102,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig, set[str], l
     if not args.trace and not 1 <= args.min_nodes <= args.nodes <= args.max_nodes:
         raise UserError(f"need 1 <= --min-nodes ({args.min_nodes}) <= --nodes ({args.nodes}) <= --max-nodes "
                         f"({args.max_nodes})")
+    args.rdzv_conf_items = _rdzv_conf(args.rdzv_conf, args.rdzv_backend)
     args.run_dir = os.path.abspath(args.run_dir or os.path.join("runs", time.strftime("local-%Y%m%d-%H%M%S")))
     check_run_dir(args.run_dir)
     if args.script and not os.path.isfile(args.script):
@@ -133,7 +148,8 @@ class Launcher:
     def start_node(self) -> Node:
         name = f"n{len(self.nodes)}"
         targs = torchrun_settings.torchrun_args(self.args.rdzv_backend, self.rdzv_endpoint, self.run_id,
-                                                self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node)
+                                                self.args.min_nodes, self.args.max_nodes, self.args.nproc_per_node,
+                                                self.args.rdzv_conf_items)
         # torchrun's rendezvous decisions (INFO) go to the node logs unless the user chose a level.
         env = child_env(LOGLEVEL=os.environ.get("LOGLEVEL", "INFO"), **{NODE_ENV: name})
         command = torchrun_command(targs, self.node_config(name).to_argv(), script=self.args.script)

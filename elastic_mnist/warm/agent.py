@@ -85,11 +85,14 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
     command = [sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(os.getpid()), "--address", address,
                "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()),
                "--probe-timeout", str(probe_timeout_s), *(["--in-place"] if in_place else []),
-               *(["--plan", json.dumps(plan.to_json())] if plan else [])]
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
+               *(["--plan-on-stdin"] if plan else [])]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE if plan else subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=procs.die_with_parent_preexec(), pass_fds=[marks_w, theirs.fileno()])
     os.close(marks_w)
     theirs.close()
+    if plan is not None:  # on stdin, not among the arguments everyone sees in `ps`
+        proc.stdin.write(json.dumps(plan.to_json()).encode())
+        proc.stdin.close()
     warm = WarmProcess(proc, ours, marks_r)
     atexit.register(warm.end)
     if warm.wait(LISTENING, LISTEN_TIMEOUT_S, "the warm process to listen") != LISTENING:

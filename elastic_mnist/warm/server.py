@@ -1,13 +1,13 @@
 """The warm process: one per torchrun agent, a single thread that imported torch once and forks the workers.
 The agent starts it (warm/agent.py) and it ends with the agent, after its workers.
 
-    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock [--plan JSON] [--in-place]
+    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock [--in-place --plan-on-stdin < PLAN.json]
 
 fork() is safe here because this process runs no torch op, starts no thread and never touches CUDA, and
 that is proven after every import by a probe child (probe.py) before anything is forked. With --in-place a
 worker may outlive its round (kept.py): a later stand-in of its local rank is handed to it instead of a new
-fork. With --plan the worker of each local rank is forked before its first round (a node joining a running
-job builds what it trains before it joins).
+fork. Given a plan (plan.py) the worker of each local rank is forked before its first round (a node joining a
+running job builds what it trains before it joins).
 """
 
 from __future__ import annotations
@@ -323,14 +323,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ready-fd", type=int, default=-1, help="write the progress marks to this fd")
     parser.add_argument("--control-fd", type=int, default=-1, help="the agent's end of the stream: end then")
     parser.add_argument("--in-place", action="store_true", help="workers may outlive their round (kept.py)")
-    parser.add_argument("--plan", default="", help="the agent's worker (plan.py, JSON): fork it before its round")
+    parser.add_argument("--plan-on-stdin", action="store_true", help="read the agent's worker (plan.py, JSON) "
+                        "from stdin, and fork it before its round")
     parser.add_argument("--probe-timeout", type=float, default=probe.PROBE_TIMEOUT_S, help="the fork probe's bound")
     args = parser.parse_args(argv)
     # A Ctrl-C, or a SIGTERM to every process of the node, is the agent's to handle: it stops its workers and
     # ends, and this process ends with it, after its workers (their forks reset these).
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    plan = WorkerPlan.from_json(json.loads(args.plan)) if args.plan else None
+    plan = WorkerPlan.from_json(json.loads(sys.stdin.read())) if args.plan_on_stdin else None
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # what its forks inherit until a stand-in's stdin replaces it
     try:
         server = Server(args.address, args.agent, args.in_place, plan)
     except ProcessLookupError:

@@ -34,8 +34,8 @@ def _starting_workers(job: Job) -> bool:
     status = read_rendezvous_status(job.endpoint, job.run_id)
     if status.get("phase") != "complete" or len(status["participants"]) != job.nodes:
         return False
-    return all(any("elastic_mnist.train" in _cmdline(pid) for pid in procs.descendants(a.pid) if pid != a.pid)
-               for a in job.agents)
+    return all(any("\0-m\0elastic_mnist.train\0" in _cmdline(pid) for pid in procs.children().get(a.pid, []))
+               for a in job.agents)  # torchrun's own child running the worker module: the round's stand-in
 
 
 def _cmdline(pid: int) -> str:
