@@ -60,9 +60,10 @@ def test_the_rank0_host_of_three_vanishes(small_mnist, tmp_path):
 
 def test_a_host_cut_from_etcd_leaves_and_its_peer_goes_on(small_mnist, tmp_path):
     """n1 still reaches n0 but not etcd: its agent exits (it cannot keep its rendezvous), n0 trains on alone.
-    Training outlasts the agent's etcd timeouts (~10 s): a job that ends first ends at world 2."""
-    report = on_hosts(small_mnist, tmp_path, "cut:n1-etcd@step=20", "--no-restart", steps=250, pace=0.1,
-                      timeout=300)
+    Training (23 s after the cut) outlasts the agent's etcd deadlines (each call's read_timeout, 5 s here, and
+    a retry): a job that ends first ends at world 2."""
+    report = on_hosts(small_mnist, tmp_path, "cut:n1-etcd@step=20", "--no-restart", "--rdzv-conf",
+                      "read_timeout=5", steps=250, pace=0.1, timeout=300)
     (event,) = report["events"]
     assert (event["kind"], event["node"], event["world_size_after"]) == ("cut", "n1-etcd", 1)
     assert event["steps_redone"] <= 1 and event["recovery_s"] < 30
