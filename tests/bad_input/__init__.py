@@ -9,8 +9,9 @@ module with a list of its own to ROWS; print the table, paste it, run the test.
 
 from __future__ import annotations
 
+from bad_input.dirs import DIRS
 from bad_input.earlier import EARLIER
 from bad_input.files import CACHE, CHECKPOINTS, ETCD, SECRETS
 from bad_input.rendezvous import RDZV_CONF, REPLAYS, TRANSFER
 
-ROWS = [*CHECKPOINTS, *SECRETS, *ETCD, *CACHE, *RDZV_CONF, *REPLAYS, *TRANSFER, *EARLIER]
+ROWS = [*DIRS, *CHECKPOINTS, *SECRETS, *ETCD, *CACHE, *RDZV_CONF, *REPLAYS, *TRANSFER, *EARLIER]

@@ -1,5 +1,5 @@
 """Rows of the bad-input table for the cases tests/test_bad_input.py covers in depth: non-finite float flags
-and every kind of malformed MNIST file (the worker exits 2, preflight 78).
+and every kind of malformed MNIST file (the worker and preflight exit 78).
 
     cd tests && python -m bad_input     # the whole table
 """
@@ -44,13 +44,13 @@ def _flag(arg: str) -> Attempt:
 
 EARLIER = [
     Row("`--lr`", "`nan` (any float flag: `nan`, `inf`, `-inf`)",
-        "--lr must be a finite number, got nan; give a number such as the default 0.001", "nothing written", "2",
+        "--lr must be a finite number, got nan; give a number such as the default 0.001", "nothing written", "78",
         place_itself, _flag("--lr=nan")),
     Row("`--collective-timeout`", "`inf`", "--collective-timeout must be a finite number, got inf; give a number "
-        "such as the default 60.0", "nothing written", "2", place_itself, _flag("--collective-timeout=inf")),
+        "such as the default 60.0", "nothing written", "78", place_itself, _flag("--collective-timeout=inf")),
     *(Row(f"`--data-dir` file `{MALFORMED[case][0]}`", case,
           f"MNIST file …/{MALFORMED[case][0]} …; re-download MNIST or point --data-dir at a good copy",
-          "the file; no cache written", "2", _spoiled(case), _load) for case in MALFORMED),
+          "the file; no cache written", "78", _spoiled(case), _load) for case in MALFORMED),
     Row("`elastic-mnist preflight --data-dir`", "a header cut inside the dimensions",
         "preflight: data: FAILED (permanent, exit 78): MNIST file …/train-images-idx3-ubyte cannot be decoded",
         "the file", "78", _spoiled("header cut inside the dimensions"),

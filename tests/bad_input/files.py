@@ -122,7 +122,7 @@ SECRETS = [
         rdzv(secret_file=lambda target: str(target))),
     Row("`$ELASTIC_MNIST_RDZV_SECRET_FILE` (the worker)", "a FIFO",
         "the rendezvous secret file (from $ELASTIC_MNIST_RDZV_SECRET_FILE) … is a FIFO (named pipe), not a "
-        "regular file", "the FIFO", "2", fifo("rdzv-secret"), _worker_secret),
+        "regular file", "the FIFO", "78", fifo("rdzv-secret"), _worker_secret),
     Row("`--rdzv-conf password_file=`", "a FIFO",
         "the etcd password file (from password_file) … is a FIFO (named pipe), not a regular file; give a "
         "regular file holding the password", "the FIFO", "raises EtcdV3ConfigError", fifo("job-password"),

@@ -6,7 +6,7 @@ it renders to. The rows are in this package's other modules; tests/test_bad_inpu
 A row's `setup(place)` makes the bad input inside the empty directory `place` and returns its target (the
 file or directory the input names). The test plants a sentinel file and directory beside the target,
 then `attempt(target, ctx)` tries the input the way the runtime meets it and returns an Outcome: the
-lines a user sees, and the exit code ("2", "78"), "raises X" (an in-process call: the agent prints our
+lines a user sees, and the exit code ("78", "2"), "raises X" (an in-process call: the agent prints our
 line, then torch's traceback) or "goes on" (warned, ignored, or fallen back; the run continues).
 `line` is that one line with … where it varies (paths, sizes): its pieces must appear in order. A line
 that starts with "none" means no line at all (the row's attempt checks what happens instead).
@@ -89,11 +89,11 @@ def raises(exc: type[BaseException], fn: Callable[[], Any]) -> Outcome:
 
 
 def worker_exit(fn: Callable[[], Any]) -> Outcome:
-    """fn raises the UserError that the worker's main (and every `elastic-mnist` command) prints as one
-    line and exits 2 on (tests/test_bad_input.py runs that in a real worker)."""
+    """fn raises the UserError that the worker's main prints as one line and exits 78 on, a configuration
+    error (tests/test_bad_input.py runs that in a real worker; under etcd-v3 it ends the whole job)."""
     from elastic_mnist.errors import UserError
 
-    return Outcome(raises(UserError, fn).lines, "2")
+    return Outcome(raises(UserError, fn).lines, "78")
 
 
 def cli(ctx: Ctx, argv: list[str]) -> Outcome:
