@@ -4,6 +4,7 @@
     python -m bench --quick --out /tmp/bench                        # ~2 min, small generated data set
     python -m bench --spot-only --data-dir ../shared/data --update-docs   # the spot replay alone (bench/spot.py)
     python -m bench --network-only --data-dir ../shared/data --update-docs  # vanish, partition (root; bench/network.py)
+    python -m bench --in-place-only --data-dir ../shared/data --update-docs  # in place, fresh, c10d (inplace.py)
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
 OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import elastic, network, overhead, plots, report, settings, spot, targets, throughput
+from bench import elastic, inplace, network, overhead, plots, report, settings, spot, targets, throughput
 from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rewrite {DOCS.relative_to(REPO)} between the bench markers")
     p.add_argument("--network-only", action="store_true",
                    help="only the network faults between hosts: vanish and partition, 3 runs each (root)")
+    p.add_argument("--in-place-only", action="store_true",
+                   help="only recovery in place against a fresh start and c10d, the storm and the frozen plain "
+                        "torchrun node (~80 min; bench/inplace.py)")
     p.add_argument("--spot-only", action="store_true",
                    help="only the spot trace replay (three systems, ~20 min; full mode runs it after the rest)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
@@ -137,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
     started = time.time()
-    if args.spot_only or args.network_only:
+    if args.spot_only or args.network_only or args.in_place_only:
         try:
+            if args.in_place_only:
+                return run_in_place(args, work)
             return run_spot(args, work) if args.spot_only else run_network(args, work)
         finally:
             if not args.keep_work and not args.work_dir:
@@ -190,6 +196,28 @@ def run_network(args, work: Path) -> int:
     for t in result["targets"]:
         log(f"target {t['id']}: {'met' if t['met'] else 'MISSED'} ({t['value']}) {t['detail']}")
     log(f"network faults done in {time.time() - started:.0f} s; wrote {Path(args.out) / 'network.json'}")
+    return 0
+
+
+def run_in_place(args, work: Path) -> int:
+    """Recovery in place, fresh and c10d, the storm, the frozen plain-torchrun node; OUT/inplace.json and .md."""
+    if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
+        log(f"error: --data-dir {args.data_dir!r} has no MNIST/raw; the in-place section trains real MNIST")
+        return 1
+    started = time.time()
+    try:
+        result = inplace.measure(Runner(work), inplace.InPlaceSettings(os.path.abspath(args.data_dir),
+                                                                        repeats=args.repeats))
+    except BenchError as e:
+        log(f"error: {e}")
+        return 1
+    machine = describe()
+    result.update(provenance=provenance(), machine=machine, machine_line=one_line(machine),
+                  wall_s=round(time.time() - started, 1), finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    inplace.write(result, Path(args.out), DOCS if args.update_docs else None)
+    for t in result["targets"]:
+        log(f"target {t['id']}: {'met' if t['met'] else 'MISSED'} ({t['value']}) {t['detail']}")
+    log(f"in-place section done in {time.time() - started:.0f} s; wrote {Path(args.out) / 'inplace.json'}")
     return 0
 
 

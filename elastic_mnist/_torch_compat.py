@@ -19,6 +19,7 @@ modules did not import before (no torch._dynamo, no etcd client).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -177,6 +178,24 @@ def check_pickled_classes(allowed: dict[tuple[str, str], type]) -> None:
         if cls is None or (cls.__module__, cls.__qualname__) != (module, name):
             raise mismatch(_RDZV, f"pickles no {module}.{name}")
         require_fields(cls, field_names(stand_in))
+
+
+@contextlib.contextmanager
+def without_first_join_delay():
+    """torch's next_rendezvous waits a random 0-0.3 s while the state it holds says round 0, to spread a cold
+    start's first writes; a node re-joining after round 0 formed (its workers restarted) has nothing to spread,
+    and those tenths of a second are a membership change's. Only for the call it wraps."""
+    module = _rendezvous()
+    saved = require(module, "_delay")
+    module._delay = _no_delay
+    try:
+        yield
+    finally:
+        module._delay = saved
+
+
+def _no_delay(seconds) -> None:
+    return None
 
 
 def handler_node(handler):

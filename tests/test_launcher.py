@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from elastic_mnist.config import TrainConfig, parse_args
+from elastic_mnist.config import TrainConfig, given_fields, parse_args
 from elastic_mnist.errors import UserError
-from elastic_mnist.local.launcher import RUN_DIR_MARK, Launcher, given_fields, parse
+from elastic_mnist.local.flags import RUN_DIR_MARK, parse
+from elastic_mnist.local.launcher import Launcher
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import child_env
 from elastic_mnist.state import snapshots

@@ -15,7 +15,8 @@ import pytest
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.errors import UserError
 from elastic_mnist.local import goodput
-from elastic_mnist.local.launcher import Launcher, parse
+from elastic_mnist.local.flags import parse
+from elastic_mnist.local.launcher import Launcher
 from elastic_mnist.local.nodes import Node
 from elastic_mnist.local.trace import load_trace, parse_window
 from elastic_mnist.procs import child_env

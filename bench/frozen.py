@@ -1,0 +1,66 @@
+"""A frozen node under plain torchrun: two agents started with the README's etcd-v3 command plus
+`--rdzv-conf last_call_timeout=2`, every process of node 1 SIGSTOPped mid-run; what the survivor waits, from
+the last step anyone trained to its first step alone.
+
+    python -m bench --in-place-only ...      # part of the in-place section (bench/inplace.py)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+from bench.runner import BenchError, Runner, child_env, log, shown, spread
+from elastic_mnist import procs
+from elastic_mnist.runlog import read_records
+
+TORCHRUN = ["--nnodes=1:4", "--nproc-per-node=1", "--rdzv-backend=etcd-v3", "--max-restarts=100",
+            "--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=2"]  # the README's, and a user's key
+
+
+def measure_frozen_plain(runner: Runner, data_dir: str, repeats: int) -> dict:
+    from elastic_mnist.etcd.server import EtcdServer
+
+    runs = []
+    with EtcdServer(enable_v2=False) as etcd:
+        for i in range(repeats):
+            runs.append(_one(runner, etcd.endpoint, data_dir, i))
+            log(f"frozen (plain torchrun) #{i + 1}: stall {runs[-1]['stall_s']:.2f} s")
+    return {"stall_s": spread([r["stall_s"] for r in runs]), "runs": runs}
+
+
+def _one(runner: Runner, endpoint: str, data_dir: str, i: int) -> dict:
+    work = runner.new_dir(f"frozen-plain-{i}")
+    cmd = procs.torchrun_command([*TORCHRUN, f"--rdzv-endpoint={endpoint}", f"--rdzv-id=frozen-{os.getpid()}-{i}"], [
+        "--data-dir", data_dir, "--checkpoint-dir", str(work / "ckpt"), "--log-dir", str(work / "runs"),
+        "--sample-log", str(work / "samples"), "--max-steps", "100000", "--min-step-time", "0.05"])
+    agents = [_start(cmd, work / f"node{n}.log") for n in range(2)]
+    try:
+        procs.wait_for(lambda: len(_steps(work, 2)) >= 40, 180, "both nodes training")
+        for pid in procs.descendants(agents[1].pid):
+            os.kill(pid, signal.SIGSTOP)
+        alone = procs.wait_for(lambda: _steps(work, 1), 120, "the survivor training alone")
+        first = min(r["time"] for r in alone)
+        last = max(r["time"] for r in read_records(str(work / "samples")) if r["time"] < first)
+        return {"stall_s": round(first - last, 3), "command": shown(cmd)}
+    except TimeoutError as e:
+        raise BenchError(f"{shown(cmd)}: {e}") from None
+    finally:
+        for agent in agents:
+            for pid in procs.descendants(agent.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            agent.wait()
+
+
+def _start(cmd: list[str], log_path) -> subprocess.Popen:
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True, preexec_fn=procs.die_with_parent_preexec())
+
+
+def _steps(work, world: int) -> list[dict]:
+    return [r for r in read_records(str(work / "samples")) if r["world_size"] == world]
