@@ -95,6 +95,18 @@ def test_the_parts_tile_the_wall_time():
     assert acc["capacity_samples"] == 160 and acc["goodput"] == pytest.approx(50 / 160)
 
 
+def test_a_round_served_in_place_counts_no_worker_start():
+    """The second worker's round is served by a kept process (its phases: the stand-in's start and the attach):
+    the accounting takes it, and it paid no start-up cost."""
+    run = _run()
+    kept = {"event": "startup", "pid": 2, "round": 0, "rank": 0, "time": 17.0,
+            "phases": {"stand_in": 15.0, "attached": 15.2, "process_group": 15.3, "resumed": 15.5}}
+    run.journal[1] = kept
+    acc = goodput.account(run, startup_cost_s=0.5)
+    assert acc["parts_sum_s"] == pytest.approx(acc["wall_s"])
+    assert acc["events"][2]["worker_starts"] == 0 and acc["parts_s"]["worker_start"] == pytest.approx(1.0 + 0.2)
+
+
 def test_each_change_costs_its_window_and_real_scale_uses_real_intervals():
     acc = goodput.account(_run(), startup_cost_s=0.5)
     first, to_zero, back = acc["events"]

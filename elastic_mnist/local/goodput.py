@@ -215,8 +215,10 @@ def real_scale(run: Run, costs: list[dict], startup_cost_s: float) -> dict:
 
 
 def worker_starts(run: Run, costs: list[dict]) -> None:
-    """How many rank-0 worker starts paid the start-up cost inside each change's window."""
-    starts = [e["phases"]["process_start"] for e in run.journal if e["event"] == "startup" and e["rank"] == 0]
+    """How many rank-0 worker starts paid the start-up cost inside each change's window (a round served by a
+    kept worker paid none: it built once, and a joiner before it joined)."""
+    starts = [e["phases"]["process_start"] for e in run.journal if e["event"] == "startup" and e["rank"] == 0
+              and "startup_cost" in e["phases"] and "process_start" in e["phases"]]
     for c in costs:
         c["worker_starts"] = sum(1 for s in starts if c["t"] <= s < c["t"] + c["window_s"])
 
