@@ -19,7 +19,7 @@ import pytest
 from elastic_mnist import agent_link, procs
 from elastic_mnist.warm import _wire, settings
 from elastic_mnist.warm.agent import start_for_workers
-from elastic_mnist.warm.server import REQUEST_TIMEOUT_S
+from elastic_mnist.warm.loop import REQUEST_TIMEOUT_S
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time

@@ -27,6 +27,8 @@ class Worker:
     channel: socket.socket
     local_rank: str
     state: str
+    built: bool = False
+    """It got as far as a round (or ready for one): an exit from here on is a worker's, not a build's."""
     stand_in: socket.socket | None = None
     """The connection of the stand-in this worker reports to (while starting, attaching or running)."""
     handed: tuple[dict, list[int]] | None = None

@@ -85,6 +85,8 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
             first, _ = _wire.receive(sock)
     except (OSError, EOFError, _wire.WireError):
         pass
+    if "exit" in first:  # the worker built for this agent already ended on a configuration error, said once
+        _finish(int(first["exit"]))
     if "pid" not in first:
         sock.close()
         stand_in.give_back()

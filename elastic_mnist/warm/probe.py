@@ -11,12 +11,39 @@ bad fork, within PROBE_TIMEOUT_S; until one passes, nothing is forked and worker
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
 import signal
 import sys
 
 PROBE_TIMEOUT_S = 20.0
+
+
+class Preloads:
+    """The modules the warm process imported for its workers, and whether a fork of it is still proven safe."""
+
+    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        self.timeout_s, self.failed, self.refusal = timeout_s, set(), ""
+        self._proven: set[str] = set()
+
+    def load(self, names) -> str:
+        """Import `names` (a failure is the worker's to report, as a cold start would), then prove the fork
+        again if anything new was loaded; "" while forks are safe, else why not (said once)."""
+        for name in names:
+            if name in sys.modules or name in self.failed:
+                continue
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - the child imports it again and reports the error itself
+                self.failed.add(name)
+                print(f"elastic-mnist warm start: could not preload {name}: {exc}", file=sys.stderr, flush=True)
+        loaded = set(sys.modules)
+        if not self.refusal and not loaded <= self._proven:
+            self.refusal, self._proven = fork_refusal(self.timeout_s), loaded
+            if self.refusal:
+                print(f"elastic-mnist warm start: workers start cold: {self.refusal}", file=sys.stderr, flush=True)
+        return self.refusal
 _CUDA, _FAILED = 3, 4
 
 

@@ -1,19 +1,15 @@
 """The warm process: one per torchrun agent, a single thread that imported torch once and forks the workers.
-The agent starts it (warm/agent.py) and it ends with the agent, after its workers.
+The agent starts it (warm/agent.py) and it ends with the agent, after its workers; its loop is loop.py.
 
     python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock [--in-place --plan-on-stdin < PLAN.json]
 
-fork() is safe here because this process runs no torch op, starts no thread and never touches CUDA, and
-that is proven after every import by a probe child (probe.py) before anything is forked. With --in-place a
-worker may outlive its round (kept.py): a later stand-in of its local rank is handed to it instead of a new
-fork. Given a plan (plan.py) the worker of each local rank is forked before its first round (a node joining a
-running job builds what it trains before it joins).
+Progress goes to --ready-fd as one byte each: listening, warm (torch imported and a fork proven safe), ready
+(every local rank's worker built before its round), or failed (one of those ended first).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import selectors
@@ -21,299 +17,12 @@ import signal
 import socket
 import sys
 
-from elastic_mnist import procs
-from elastic_mnist.warm import _wire, probe
-from elastic_mnist.warm.child import Job
-from elastic_mnist.warm.fleet import ATTACHING, BUILDING, IDLE, RUNNING, STARTING, Fleet, Worker
+from elastic_mnist.warm import probe
+from elastic_mnist.warm.loop import FAILED, LISTENING, READY, WARM, Server
 from elastic_mnist.warm.plan import WorkerPlan
 
+__all__ = ["FAILED", "LISTENING", "READY", "WARM", "main"]
 BASE_PRELOAD = ("torch",)
-REQUEST_TIMEOUT_S = 10.0
-# What the warm process writes to its --ready-fd: listening, torch imported (and the fork proven safe),
-# every worker started before its round built, or one of them ended first (a configuration error, say).
-LISTENING, WARM, READY, FAILED = b"1", b"2", b"3", b"x"
-
-
-class Server:
-    """Accepts stand-ins, forks their workers or hands them to kept ones, reports each worker's exit."""
-
-    def __init__(self, address: str, agent_pid: int, in_place: bool, plan: WorkerPlan | None) -> None:
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(address)  # in the agent's private directory (0700)
-        self.listener.listen(64)  # bound before the imports: a stand-in that comes early waits, not fails
-        self.agent_pid, self.agent = agent_pid, os.pidfd_open(agent_pid)
-        self.in_place, self.plan = in_place, plan
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
-        self.selector.register(self.agent, selectors.EVENT_READ, "agent")
-        self.fleet = Fleet()
-        self.failed: set[str] = set()
-        self.refusal = ""  # set when a fork is not safe: every stand-in starts cold, saying why
-        self.ready_fd, self.ending, self.control = -1, False, None
-        self.probe_timeout_s = probe.PROBE_TIMEOUT_S
-        self._proven: set[str] = set()
-
-    def serve(self) -> Job | None:
-        """Until the agent is gone and the workers with it (None); in a forked child, that child's job."""
-        while not (self.ending and not len(self.fleet)):
-            for key, _ in self.selector.select():
-                job = self._dispatch(key)
-                if job is not None:
-                    return job
-        return None
-
-    def _dispatch(self, key) -> Job | None:
-        what = key.data
-        if what == "accept":
-            return self._accept()
-        if what == "agent":
-            self.end("its agent is gone")
-        elif what == "control":
-            self._control(key.fileobj)
-        elif what == "pidfd":
-            return self._reap(self.fleet.by_pidfd[key.fd])
-        elif what == "channel":
-            return self._from_worker(self.fleet.by_channel[key.fd])
-        elif what == "stand_in":
-            self._stand_in_gone(key.fileobj)
-        return None
-
-    # -- stand-ins ------------------------------------------------------------------------------------
-    def _accept(self) -> Job | None:
-        conn, _ = self.listener.accept()
-        try:
-            request, fds = self._receive(conn)
-        except (OSError, EOFError, _wire.WireError, PermissionError) as e:
-            _wire.send(conn, {"refused": f"bad request: {e}"})
-            conn.close()
-            return None
-        refused = _wire.check_request(request) or self.refusal or self._refusal(request)
-        if not refused:
-            self._import(request["preload"])
-            refused = self.refusal
-        if refused or _gone(conn):
-            _wire.send(conn, {"refused": refused or "gone"})
-            _close(fds, conn)
-            return None
-        return self._route(conn, request, fds)
-
-    def _receive(self, conn: socket.socket) -> tuple[dict, list[int]]:
-        pid, uid = _wire.peer(conn)
-        if uid != os.getuid() or procs.proc_ppid(pid) != self.agent_pid:
-            raise PermissionError(f"pid {pid} (uid {uid}) is not a worker of this agent")
-        conn.settimeout(REQUEST_TIMEOUT_S)  # a stand-in that stalls mid-request cannot stall the others
-        request, fds = _wire.receive(conn, len(_wire.STDIO))
-        conn.settimeout(None)
-        if len(fds) != len(_wire.STDIO):
-            _close(fds)
-            raise _wire.WireError("a request without the stand-in's stdin, stdout and stderr")
-        return request, fds
-
-    def _refusal(self, request: dict) -> str:
-        if request["exe"] != sys.executable or request["version"] != sys.version:
-            return (f"the worker runs {request['exe']}, the agent's warm process {sys.executable}: "
-                    "start torchrun with the workers' interpreter")
-        return ""
-
-    def _route(self, conn: socket.socket, request: dict, fds: list[int]) -> Job | None:
-        local_rank = request["env"].get("LOCAL_RANK", "0")
-        kept = self.fleet.kept_for(local_rank)
-        if kept is None:
-            return self._fork(request, fds, conn, local_rank)
-        if not _wire.send(kept.channel, {"attach": request}, fds):  # it is exiting: its pidfd says so soon
-            return self._fork(request, fds, conn, local_rank)
-        kept.state, kept.handed = ATTACHING, (request, fds)  # ours kept until it answers
-        self.fleet.bind(kept, conn)
-        self.selector.register(conn, selectors.EVENT_READ, "stand_in")
-        return None
-
-    def _stand_in_gone(self, conn: socket.socket) -> None:
-        """A stand-in sends nothing after its request: readable means it ended (torchrun's SIGKILL after a
-        stop that took too long, or its node's). Its worker must not outlive it while it serves it."""
-        worker = self.fleet.by_stand_in.get(conn.fileno())
-        self.selector.unregister(conn)
-        if worker is not None and worker.state in (STARTING, ATTACHING, RUNNING):
-            worker.signal(signal.SIGKILL)
-            self.fleet.release(worker)
-
-    # -- workers --------------------------------------------------------------------------------------
-    def _fork(self, request: dict, fds: list[int], conn: socket.socket | None, local_rank: str) -> Job | None:
-        ours, theirs = socket.socketpair()
-        server_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            self._close_in_child(conn)
-            return Job(request, fds, theirs, server_pid, self.in_place)
-        theirs.close()
-        _close(fds)
-        worker = Worker(pid, os.pidfd_open(pid), ours, local_rank, STARTING if conn is not None else BUILDING,
-                        stand_in=conn)
-        self.fleet.add(worker)
-        self.selector.register(worker.pidfd, selectors.EVENT_READ, "pidfd")
-        self.selector.register(ours, selectors.EVENT_READ, "channel")
-        if conn is not None:
-            self.selector.register(conn, selectors.EVENT_READ, "stand_in")
-        return None
-
-    def _from_worker(self, worker: Worker) -> Job | None:
-        try:
-            message, _ = _wire.receive(worker.channel)
-        except (EOFError, _wire.WireError, OSError):
-            self.selector.unregister(worker.channel)  # it is ending: its pidfd reports the rest
-            return None
-        expected = {STARTING: "applied", ATTACHING: "attached"}.get(worker.state)  # (a fork started before its
-        if expected and message.get(expected):  # round says "applied" too, to nobody: no stand-in waits for it)
-            worker.state, handed, worker.handed = RUNNING, worker.handed, None
-            _close(handed[1] if handed else [])
-            if worker.stand_in is not None:
-                _wire.send(worker.stand_in, {"pid": worker.pid})
-        elif "refused" in message:
-            return self._refused(worker, str(message["refused"]))
-        elif message.get("ready"):
-            worker.state = IDLE if worker.state == BUILDING else worker.state
-            self._mark_ready()
-        elif "detach" in message:
-            self._unwatch(worker.stand_in)
-            self.fleet.release(worker, {"exit": int(message["detach"])})
-            worker.state = IDLE
-        return None
-
-    def _refused(self, worker: Worker, why: str) -> Job | None:
-        """A fresh fork that cannot take its stand-in's settings: the stand-in starts cold. A kept worker that
-        cannot take a round (it saved and exits): the stand-in gets a fresh fork."""
-        conn, handed = worker.stand_in, worker.handed
-        self._unwatch(conn)
-        worker.stand_in, worker.handed = None, None
-        self.fleet.by_stand_in.pop(conn.fileno() if conn else -1, None)
-        if conn is None:
-            return None
-        if handed is None:
-            _wire.send(conn, {"refused": why})
-            conn.close()
-            return None
-        print(f"elastic-mnist warm start: the kept worker of local rank {worker.local_rank} left ({why}); a fresh "
-              "one takes the round", file=sys.stderr, flush=True)
-        worker.state = STARTING  # no longer a candidate for a round
-        return self._fork(*handed, conn, worker.local_rank)
-
-    def _reap(self, worker: Worker) -> Job | None:
-        self.selector.unregister(worker.pidfd)
-        if worker.channel.fileno() in self.selector.get_map():
-            self.selector.unregister(worker.channel)
-        _, status = os.waitpid(worker.pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        self._unwatch(worker.stand_in)
-        if worker.state == BUILDING and self.ready_fd >= 0:
-            self._mark(FAILED)
-        if worker.handed is not None:  # it died while a stand-in was handed to it: a fresh fork takes that
-            (request, fds), conn = worker.handed, worker.stand_in
-            worker.handed, worker.stand_in = None, None
-            self.fleet.by_stand_in.pop(conn.fileno(), None)
-            self.fleet.remove(worker)
-            return self._fork(request, fds, conn, worker.local_rank)
-        self.fleet.release(worker, {"exit": code})
-        self.fleet.remove(worker)
-        return None
-
-    def _unwatch(self, conn: socket.socket | None) -> None:
-        if conn is not None and conn.fileno() in self.selector.get_map():
-            self.selector.unregister(conn)
-
-    # -- the agent ------------------------------------------------------------------------------------
-    def prestart(self) -> Job | None:
-        """Fork each local rank's worker before its round (the plan), to build what it trains; in a forked
-        child, that child's job."""
-        if self.plan is None or not self.in_place or self.refusal:
-            return None
-        for local_rank in range(self.plan.local_world_size):
-            job = self._fork(self.plan.request(local_rank), [], None, str(local_rank))
-            if job is not None:
-                return job
-        return None
-
-    def _mark_ready(self) -> None:
-        if not self.fleet.building() and self.ready_fd >= 0:
-            self._mark(READY)
-
-    def _mark(self, mark: bytes) -> None:
-        try:
-            os.write(self.ready_fd, mark)
-        except OSError:
-            pass  # the agent stopped listening (it did not wait for this one)
-
-    def _control(self, conn: socket.socket) -> None:
-        """Anything on the agent's stream, or its end, means the agent is ending."""
-        self.selector.unregister(conn)
-        self.end("its agent ends")
-
-    def end(self, why: str) -> None:
-        """The agent ends: every worker saves what it holds and exits; then this process does."""
-        if self.ending:
-            return
-        self.ending = True
-        self.selector.unregister(self.listener)
-        self.listener.close()
-        for worker in list(self.fleet.by_pidfd.values()):
-            _wire.send(worker.channel, {"end": why})
-
-    # -- imports --------------------------------------------------------------------------------------
-    def _import(self, names) -> None:
-        for name in names:
-            if name in sys.modules or name in self.failed:
-                continue
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # the child imports it again and reports the error itself, as a cold start would
-                self.failed.add(name)
-                print(f"elastic-mnist warm start: could not preload {name}: {exc}", file=sys.stderr, flush=True)
-        self._prove()
-
-    def _prove(self) -> None:
-        """After imports: a probe child must show that a fork of this process runs torch (probe.py)."""
-        loaded = frozenset(sys.modules)
-        if self.refusal or loaded <= self._proven:
-            return
-        self.refusal = probe.fork_refusal(self.probe_timeout_s)
-        self._proven = set(loaded)
-        if self.refusal:
-            print(f"elastic-mnist warm start: workers start cold: {self.refusal}", file=sys.stderr, flush=True)
-
-    def _close_in_child(self, conn: socket.socket | None) -> None:
-        """A child keeps only its own channel: one holding another's (or a stand-in's connection) would hide
-        that process's end from the others."""
-        self.selector.close()
-        if not self.ending:
-            self.listener.close()
-        os.close(self.agent)
-        for sock in (conn, self.control):
-            if sock is not None:
-                sock.close()
-        for worker in list(self.fleet.by_pidfd.values()):
-            if worker.stand_in is not None:
-                worker.stand_in.close()
-            _close(worker.handed[1] if worker.handed else [])
-            worker.channel.close()
-            os.close(worker.pidfd)
-
-
-def _gone(conn: socket.socket) -> bool:
-    """The stand-in gave up meanwhile (it starts cold then): forking for it would run the worker twice."""
-    import select
-
-    if not select.select([conn], [], [], 0)[0]:
-        return False
-    try:
-        return conn.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
-def _close(fds: list[int], conn: socket.socket | None = None) -> None:
-    for fd in fds:
-        os.close(fd)
-    if conn is not None:
-        conn.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -337,16 +46,16 @@ def main(argv: list[str] | None = None) -> None:
         server = Server(args.address, args.agent, args.in_place, plan)
     except ProcessLookupError:
         return  # the agent is gone already
-    server.ready_fd, server.probe_timeout_s = args.ready_fd, args.probe_timeout
+    server.ready_fd, server.preloads.timeout_s = args.ready_fd, args.probe_timeout
     if args.control_fd >= 0:
         server.control = socket.socket(fileno=args.control_fd)
         server.selector.register(server.control, selectors.EVENT_READ, "control")
-    server._mark(LISTENING)
-    server._import([*BASE_PRELOAD, *(plan.request(0)["preload"] if plan else ())])
-    server._mark(WARM)
+    server.mark(LISTENING)
+    server.preloads.load([*BASE_PRELOAD, *(plan.request(0)["preload"] if plan else ())])
+    server.mark(WARM)
     job = server.prestart()
     if job is None and not server.fleet.building():
-        server._mark(READY)  # nothing to build before the round
+        server.mark(READY)  # nothing to build before the round
     job = job or server.serve()
     if job is not None:
         job.run()  # in a forked child only: the worker, from its own __main__
