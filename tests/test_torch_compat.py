@@ -206,3 +206,21 @@ def test_the_store_gets_the_cpp_names():
     from elastic_mnist.rendezvous.store import EtcdV3Store
 
     assert EtcdV3Store.getNumKeys is EtcdV3Store.num_keys and EtcdV3Store.deleteKey is EtcdV3Store.delete_key
+
+
+def test_event_names_are_torch_s_without_inspect_stack(monkeypatch):
+    """The frame-based name is the one torch's inspect.stack() gives, at every depth."""
+    dyn = compat._rendezvous()
+    original = dyn.get_method_name
+    monkeypatch.setattr(dyn, "get_method_name", original)  # put back after the test
+
+    def _record():  # as torch's _record calls it: the name of the method that records
+        return dyn.get_method_name(), dyn.get_method_name(depth=1), dyn.get_method_name(depth=100_000)
+
+    def next_rendezvous():
+        return _record()
+
+    expected = next_rendezvous()
+    compat.quick_event_names()
+    assert dyn.get_method_name is not original
+    assert next_rendezvous() == expected == ("next_rendezvous", "_record", "no_method_name")
