@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import UserError
-from elastic_mnist.netprobe import PEER_BEACONS_ENV
+from elastic_mnist.netprobe import PEER_BEACONS_ENV, wait_for_listener
 from elastic_mnist.procs import NODE_ENV
 
 
@@ -42,6 +42,8 @@ class DistEnv:
     """The node's name as its launcher gave it ($ELASTIC_MNIST_NODE), else the host name."""
     peer_beacons: dict[str, str] = field(default_factory=dict)
     """The round's other nodes' agent beacons (node -> host:port), from the etcd-v3 agent (netprobe.py)."""
+    master: tuple[str, int] | None = None
+    """Where rank 0 hosts this round's store (torchrun's MASTER_ADDR and MASTER_PORT)."""
 
 
 def read_env(environ: dict | None = None) -> DistEnv:
@@ -60,7 +62,13 @@ def read_env(environ: dict | None = None) -> DistEnv:
         launched=True,
         node=env.get(NODE_ENV) or socket.gethostname(),
         peer_beacons=_beacons(env.get(PEER_BEACONS_ENV, "")),
+        master=_master(env),
     )
+
+
+def _master(env) -> tuple[str, int] | None:
+    port = env.get("MASTER_PORT", "")
+    return (env["MASTER_ADDR"], int(port)) if env.get("MASTER_ADDR") and port.isdigit() else None
 
 
 def _beacons(text: str) -> dict[str, str]:
@@ -131,6 +139,10 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: floa
     timeout = datetime.timedelta(seconds=connect_s or timeout_s)
     if env.launched:
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        if env.rank != 0 and env.master is not None:
+            # torch's store client, refused, dials again only after 0.3-0.7 s (its backoff's first step): a
+            # member that attaches a few ms before rank 0 hosts the store would cost the whole round that.
+            wait_for_listener(*env.master, timeout.total_seconds())
         try:
             dist.init_process_group(backend, timeout=timeout, **kwargs)
         except RuntimeError as e:  # the store's wait for the others, or gloo's connect to each of them

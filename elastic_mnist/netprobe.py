@@ -125,3 +125,19 @@ def _probeable(address: str) -> bool:
     except ValueError:
         return False  # not an address we can probe: no proof either way, so no verdict against it
     return True
+
+
+def wait_for_listener(host: str, port: int, timeout: float, every: float = 0.01) -> bool:
+    """Dial host:port until something accepts (True) or `timeout` passes; False at once when the host is
+    silent or unknown (a refusal is the only answer worth dialling again for: the host is up, its server not yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.01, min(1.0, deadline - time.monotonic()))):
+                return True
+        except ConnectionRefusedError:
+            if time.monotonic() + every >= deadline:
+                return False
+            time.sleep(every)
+        except OSError:
+            return False

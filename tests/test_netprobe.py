@@ -15,7 +15,7 @@ import pytest
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import read_env
-from elastic_mnist.netprobe import PEER_BEACONS_ENV, check, split_address
+from elastic_mnist.netprobe import PEER_BEACONS_ENV, check, split_address, wait_for_listener
 from elastic_mnist.rendezvous._liveness import Beacon
 from elastic_mnist.worker import control
 from elastic_mnist.worker.control import ControlPlane
@@ -62,6 +62,25 @@ def test_the_workers_get_the_beacons_from_their_agents_environment() -> None:
     env = {"RANK": "0", "WORLD_SIZE": "2", PEER_BEACONS_ENV: '{"n1_7_0": "198.18.0.3:4000"}'}
     assert read_env(env).peer_beacons == {"n1_7_0": "198.18.0.3:4000"}
     assert read_env({**env, PEER_BEACONS_ENV: "not json"}).peer_beacons == {}
+
+
+def test_a_store_client_dials_until_rank_0_listens() -> None:
+    """Refused means the host is up and its server not yet: dial again soon (torch's own client waits
+    0.3-0.7 s), and give up at the deadline; the round's master address comes from torchrun's environment."""
+    env = read_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert env.master == ("127.0.0.1", 29500) and read_env({"RANK": "0", "WORLD_SIZE": "1"}).master is None
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        host, port = server.getsockname()
+        started = time.monotonic()
+        assert not wait_for_listener(host, port, 0.2)
+        assert 0.15 <= time.monotonic() - started < 1.0
+        answered: list[bool] = []
+        dialer = threading.Thread(target=lambda: answered.append(wait_for_listener(host, port, 30)))
+        dialer.start()
+        server.listen(1)
+        dialer.join(30)
+        assert answered == [True]
 
 
 def late_beat(beacons: dict[str, str], late_for: float) -> tuple[list[str], float]:
