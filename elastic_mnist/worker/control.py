@@ -79,7 +79,7 @@ class ControlPlane:
             beat.fill_(1.0 if self._leaving.is_set() else 0.0)
             self._in_flight_since = time.monotonic()
             try:
-                self._watch_group.allreduce([beat]).wait()
+                wait(self._watch_group.allreduce([beat]), gloo=True)  # ends when a loss found elsewhere ends the round
             except Exception as e:  # noqa: BLE001 - any failure of the heartbeat means a peer is gone
                 if self._leaving.is_set():
                     return  # we were leaving anyway; a peer that left first is no loss
@@ -123,7 +123,8 @@ class ControlPlane:
         kept referenced past the round: a collective of theirs may still wait on the dead peer."""
         self._leaving.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            # After a loss the beat may wait on the lost peer until --peer-timeout: not worth waiting for.
+            self._thread.join(0 if self.peer_lost.is_set() else timeout_s)
         stuck = self._thread is not None and self._thread.is_alive()
         if (self.peer_lost.is_set() or stuck) and self._agree_group is not None:
             bury(self._agree_group)
