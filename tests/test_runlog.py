@@ -48,8 +48,10 @@ def test_two_processes_write_two_files_told_apart_by_the_pid_field(tmp_path):
                                capture_output=True, env=worker_env(), cwd=REPO).stdout) for step in (0, 1)]
     tail = RunTail(str(tmp_path), str(tmp_path / "no-logs"))
     tail.poll()
-    assert sorted(tail.processes) == sorted(pids)
-    assert {pid: [r["step"] for r in recs] for pid, recs in tail.processes.items()} == {pids[0]: [0], pids[1]: [1]}
+    # a worker round is (pid, round); a process that never went through an in-place round is round 0
+    assert sorted(tail.processes) == sorted((pid, 0) for pid in pids)
+    assert {key: [r["step"] for r in recs] for key, recs in tail.processes.items()} == {(pids[0], 0): [0],
+                                                                                         (pids[1], 0): [1]}
 
 
 def test_read_records_skips_a_line_a_killed_writer_left_half_written(tmp_path):

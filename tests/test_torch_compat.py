@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -211,8 +212,14 @@ def test_the_store_gets_the_cpp_names():
 def test_event_names_are_torch_s_without_inspect_stack(monkeypatch):
     """The frame-based name is the one torch's inspect.stack() gives, at every depth."""
     dyn = compat._rendezvous()
-    original = dyn.get_method_name
-    monkeypatch.setattr(dyn, "get_method_name", original)  # put back after the test
+    monkeypatch.setattr(dyn, "get_method_name", dyn.get_method_name)  # put back after the test
+    # torch's own function from a fresh copy of its module: an earlier test in this process may have made a
+    # handler, which already swapped the name in
+    spec = importlib.util.find_spec(dyn.__name__)
+    pristine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pristine)
+    original = pristine.get_method_name
+    dyn.get_method_name = original
 
     def _record():  # as torch's _record calls it: the name of the method that records
         return dyn.get_method_name(), dyn.get_method_name(depth=1), dyn.get_method_name(depth=100_000)
@@ -222,5 +229,5 @@ def test_event_names_are_torch_s_without_inspect_stack(monkeypatch):
 
     expected = next_rendezvous()
     compat.quick_event_names()
-    assert dyn.get_method_name is not original
+    assert dyn.get_method_name is compat._method_name
     assert next_rendezvous() == expected == ("next_rendezvous", "_record", "no_method_name")

@@ -33,13 +33,16 @@ from elastic_mnist.rendezvous.status import read_rendezvous_status
 from elastic_mnist.state.format import list_checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+# "At once": far below the join_timeout=600 a pod that waited would take, above two cold torch imports
+# (preflight and the pod entry) on a loaded 2-core CI machine (10.0 s seen there)
+AT_ONCE_S = 30
 
 
 def exits_0_at_once_saying(pod: LocalPod, marker: str) -> None:
-    """A pod that has nothing to do: exit 0 within 10 s, each container's log one line saying why."""
+    """A pod that has nothing to do: exit 0 within AT_ONCE_S, each container's log one line saying why."""
     start = time.monotonic()
     assert pod.run(timeout=60) == (0, "trainer"), pod.log()
-    assert time.monotonic() - start < 10, pod.log()
+    assert time.monotonic() - start < AT_ONCE_S, pod.log()
     for name in ("preflight", "trainer"):
         lines = pod.container_log(name)
         assert [marker in line for line in lines].count(True) == 1, pod.log()
@@ -64,7 +67,7 @@ def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, sma
                 # agents' exit barrier of its last round, and ends torchrun before its agent starts.
                 start = time.monotonic()
                 late = cluster.pod(5).plain_torchrun()
-                assert time.monotonic() - start < 10, late.stderr
+                assert time.monotonic() - start < AT_ONCE_S, late.stderr
                 assert late.returncode == 0, late.stdout + late.stderr
                 lines = (late.stdout + late.stderr).splitlines()
                 assert len(lines) == 1 and "is closed: the job finished" in lines[0], lines
@@ -74,7 +77,7 @@ def test_a_two_pods_train_to_the_end_and_a_late_pod_exits_0_at_once(variant, sma
             given_up = cluster.pod(3)
             start = time.monotonic()
             assert given_up.run(timeout=60) == (PERMANENT, "preflight"), given_up.log()
-            assert time.monotonic() - start < 10, given_up.log()
+            assert time.monotonic() - start < AT_ONCE_S, given_up.log()
             (line,) = [log_line for log_line in given_up.container_log("preflight") if "FAILED" in log_line]
             assert "is closed but the job did not finish" in line and "re-apply the Job" in line
             # The same from the trainer container alone (docker compose, a pod without the init step).
