@@ -43,7 +43,7 @@ def run(work: Path, data_dir: str, backend: str, gpus: int) -> dict:
             changes = _resize(work, cmd, agents, gpus)
         finally:
             for agent in agents.values():
-                _signal_tree(agent, signal.SIGKILL)
+                procs.signal_tree(agent.pid, signal.SIGKILL)
                 agent.wait()
     nodes = _count(work)
     n0 = nodes.get("n0", {})
@@ -56,7 +56,7 @@ def _resize(work: Path, cmd: list[str], agents: dict, gpus: int) -> list[str]:
     for node in ("n0", "n1"):
         agents[node] = _start(work, cmd, node, gpus)
     _until(work, lambda r: r["world_size"] == 2, 0, "both nodes training")
-    since = _signal_tree(agents["n1"], signal.SIGKILL)
+    since = procs.signal_tree(agents["n1"].pid, signal.SIGKILL)
     _until(work, lambda r: r["world_size"] == 1, since, "node 0 training alone")
     agents["n1-join"], since = _start(work, cmd, "n1", gpus, suffix="-join"), time.time()
     _until(work, lambda r: r["world_size"] == 2, since, "the joiner training")
@@ -95,13 +95,3 @@ def _count(work: Path) -> dict:
             comms[owner.get(int(pid), log.stem)] += 1
     return {node: {"processes": len(pids[node]), "cuda_contexts_at_most": len(pids[node]),
                    "rounds": len(rounds[node]), "nccl_communicators": comms[node]} for node in sorted(pids)}
-
-
-def _signal_tree(agent: subprocess.Popen, sig: int) -> float:
-    """Signal the agent and every process under it; when."""
-    for pid in procs.descendants(agent.pid):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    return time.time()
