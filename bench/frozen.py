@@ -38,8 +38,7 @@ def _one(runner: Runner, endpoint: str, data_dir: str, i: int) -> dict:
     agents = [_start(cmd, work / f"node{n}.log") for n in range(2)]
     try:
         procs.wait_for(lambda: len(_steps(work, 2)) >= 40, 180, "both nodes training")
-        for pid in procs.descendants(agents[1].pid):
-            os.kill(pid, signal.SIGSTOP)
+        procs.signal_tree(agents[1].pid, signal.SIGSTOP)
         alone = procs.wait_for(lambda: _steps(work, 1), 120, "the survivor training alone")
         first = min(r["time"] for r in alone)
         last = max(r["time"] for r in read_records(str(work / "samples")) if r["time"] < first)
@@ -48,11 +47,7 @@ def _one(runner: Runner, endpoint: str, data_dir: str, i: int) -> dict:
         raise BenchError(f"{shown(cmd)}: {e}") from None
     finally:
         for agent in agents:
-            for pid in procs.descendants(agent.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            procs.signal_tree(agent.pid, signal.SIGKILL)
             agent.wait()
 
 

@@ -13,7 +13,9 @@ What it runs (a real torchrun with --standalone, unless it says in-process):
   last agreed step); peak GPU memory with and without the failure-state copy;
 - peer loss (two or more GPUs; on --dry-run two CPU ranks): two ranks, rank 1 kills itself inside the
   gradient all-reduce (ELASTIC_MNIST_FAULT); reported: the survivor's detection time, the path that saved
-  the state (the main thread after an error, or the peer watch), the steps redone, and completion.
+  the state (the main thread after an error, or the peer watch), the steps redone, and completion;
+- resizes (two or more GPUs, one per node; on --dry-run CPU): two etcd-v3 agents, a kill, a join and a
+  SIGTERM; per node the worker processes (CUDA contexts), rounds and NCCL communicators (bench/gpu_resizes.py).
 --dry-run exercises every step except CUDA, so this script cannot rot on machines without a GPU.
 """
 
@@ -121,6 +123,14 @@ def check_peer_loss(work: Path, check: Check) -> dict:
             "completed": fence.read_finished(str(work / "ckpt")) is not None, "exit_code": run["rc"]}
 
 
+def check_resizes(work: Path, check: Check) -> dict:
+    if check.gpus < 2 and not check.dry_run:
+        return {"skipped": f"needs 2 GPUs (one per node), this machine has {check.gpus}"}
+    from bench import gpu_resizes
+
+    return gpu_resizes.run(work, check.data_dir, check.backend, check.gpus)
+
+
 @dataclass
 class Check:
     data_dir: str
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine.describe(), "dry_run": args.dry_run, "backend": check.backend, "gpus": check.gpus}
     for name, fn in (("train_and_resume", check_train_and_resume), ("precision", check_precision),
                      ("throughput", check_throughput), ("in_process", check_in_process),
-                     ("peer_loss", check_peer_loss)):
+                     ("peer_loss", check_peer_loss), ("resizes", check_resizes)):
         log(f"gpu check: {name} ...")
         result[name] = fn(check.runner.new_dir(name), check)
         log(f"  {json.dumps(result[name])[:300]}")

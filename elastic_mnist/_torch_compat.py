@@ -8,93 +8,41 @@ C++ Store trampoline dispatches to (rendezvous/store.py), the default store and 
 (worker/control.py), the NCCL abort (distributed.py) and torch._foreach_copy_ (state/manager.py). They are
 reached here and nowhere else (tests/test_torch_compat.py enforces it), and checked at import: a torch whose
 internals moved fails with ONE line naming its version and the mismatch, not with a rendezvous that
-silently misbehaves. The fields of the pickled state classes are checked against the torch-free stand-ins
-of rendezvous/_state.py by `check_pickled_classes`, which etcd_v3.py runs when it is imported (importing
-_state here would load the etcd client into every worker).
+silently misbehaves (the checks: _compat_checks.py). The pickled state classes are checked against the
+torch-free stand-ins of rendezvous/_state.py by `check_pickled_classes`, which etcd_v3.py runs on import.
 
-The checks are cheap (hasattr, annotations, inspect.signature, names in code objects, one in-memory
-PrefixStore): this module is imported by workers, which must start fast, and imports nothing that those
-modules did not import before (no torch._dynamo, no etcd client).
+The checks are cheap (hasattr, annotations, signatures, names in code objects, one in-memory PrefixStore):
+workers import this module and must start fast; it imports nothing they did not (no torch._dynamo, no etcd).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import functools
-import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from elastic_mnist.errors import UserError
+from elastic_mnist._compat_checks import C10D as _C10D
+from elastic_mnist._compat_checks import (  # noqa: F401 (the checks)
+    CHECKED,
+    SUPPORTED,
+    TorchCompatError,
+    field_names,
+    mismatch,
+    require,
+    require_fields,
+    require_in_code,
+    require_params,
+)
+from elastic_mnist._compat_checks import RDZV as _RDZV
 
-SUPPORTED = "torch 2.13-2.14"
-_RDZV = "dynamic rendezvous internals"
-_C10D = "c10d internals"
-CHECKED: list[str] = []  # every name the checks covered, in order: what `python -m` prints
 log = logging.getLogger(__name__)
-
-
-class TorchCompatError(ImportError, UserError):
-    """The installed torch lacks an internal elastic-mnist relies on; the message is one line."""
-
-
-def mismatch(what: str, problem: str) -> TorchCompatError:
-    return TorchCompatError(f"elastic-mnist needs torch's {what}: torch {torch.__version__} {problem}; "
-                            f"supported: {SUPPORTED}")
-
-
-def require(owner, name: str, what: str = _RDZV):
-    """owner.name, or the one-line error. `owner` is a module or a class."""
-    label = f"{getattr(owner, '__name__', owner)}.{name}"
-    if not hasattr(owner, name):
-        raise mismatch(what, f"has no {label}")
-    CHECKED.append(label)
-    return getattr(owner, name)
-
-
-def field_names(cls: type) -> tuple[str, ...]:
-    """A dataclass's fields, else the class's annotated attributes (torch's _RendezvousState is not a
-    dataclass: it annotates its attributes and sets them in __init__)."""
-    if dataclasses.is_dataclass(cls):
-        return tuple(f.name for f in dataclasses.fields(cls))
-    return tuple(inspect.get_annotations(cls))
-
-
-def require_fields(cls: type, fields: Iterable[str], what: str = _RDZV) -> None:
-    have = set(field_names(cls))
-    for name in fields:
-        if name not in have:
-            raise mismatch(what, f"has no field {cls.__name__}.{name}")
-        CHECKED.append(f"{cls.__name__}.{name} (field)")
-
-
-def require_params(func: Callable, params: tuple[str, ...], label: str, what: str = _RDZV) -> None:
-    """The signature starts with `params`, in that order: we pass them positionally."""
-    try:
-        names = tuple(inspect.signature(func).parameters)
-    except (TypeError, ValueError):
-        raise mismatch(what, f"has no inspectable signature for {label}") from None
-    if names[:len(params)] != params:
-        raise mismatch(what, f"has {label}({', '.join(names)}), not ({', '.join(params)}, ...)")
-    CHECKED.append(f"{label}({', '.join(params)})")
-
-
-def require_in_code(func: Callable, names: Iterable[str], label: str, what: str = _RDZV) -> None:
-    """Each name is an attribute the function's code touches, or a string constant in it: how we know,
-    without reading source files, that torch's __init__ still sets the attributes we reach into."""
-    code = func.__code__
-    for name in names:
-        if name not in code.co_names and name not in code.co_consts:
-            raise mismatch(what, f"no longer uses {name} in {label}")
-        CHECKED.append(f"{label} uses {name}")
 
 
 # -- the dynamic rendezvous handler (rendezvous/_prompt.py, _leave.py, etcd_v3.py) ---------------------------

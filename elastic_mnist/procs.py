@@ -129,6 +129,17 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def signal_tree(root: int, sig: int) -> float:
+    """Signal root and every live process below it (a node's whole tree: agent, warm process, workers);
+    a process that exits meanwhile is skipped. Returns when (time.time())."""
+    for pid in descendants(root):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return time.time()
+
+
 def torchrun_command(torchrun_args: list[str], module_args: list[str], module: str = "elastic_mnist.train",
                      script: str = "") -> list[str]:
     """The one way we start torchrun: this interpreter, so the agent and its workers share our venv.

@@ -22,3 +22,8 @@ def test_gpu_check_dry_run_trains_resumes_measures_and_survives_a_peer_loss(smal
     assert result["in_process"]["ok"] and result["in_process"]["resume_and_abort"]["saved_step"] == 22
     loss = result["peer_loss"]
     assert loss["completed"] and loss["steps_redone"] <= 1 and loss["detection_s"] < 5 and loss["saved_by"]
+    resized = result["resizes"]  # in place: node 0 served four rounds with one process (one CUDA context)
+    n0 = resized["nodes"]["n0"]
+    assert resized["ok"] and (n0["processes"], n0["cuda_contexts_at_most"], n0["nccl_communicators"]) == (1, 1, 0)
+    assert n0["rounds"] >= 4, "2 nodes, the kill, the join, the SIGTERM (and a first round alone if n0 was first)"
+    assert resized["nodes"]["n1"]["processes"] == 2, "the killed worker and the joiner's"

@@ -15,6 +15,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import time
 from elastic_mnist import procs
 from elastic_mnist.warm import _wire, probe
 from elastic_mnist.warm.plan import WorkerPlan
-from elastic_mnist.warm.server import FAILED, LISTENING, READY
+from elastic_mnist.warm.server import FAILED, LISTENING, READY, WARM
 
 LISTEN_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 900.0  # a joiner's workers: imports, --startup-cost, data, model; progress every 30 s
@@ -60,11 +61,7 @@ class WarmProcess:
         except subprocess.TimeoutExpired:
             print(f"elastic-mnist warm start: the workers did not end within {timeout_s:.0f} s of their agent; "
                   "killing them", file=sys.stderr, flush=True)
-            for pid in procs.descendants(self.proc.pid):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+            procs.signal_tree(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         os.close(self._marks)
         self._marks = -1
@@ -99,11 +96,18 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
         print("elastic-mnist warm start: the warm process did not start; workers start cold", file=sys.stderr)
         return None
     environ[_wire.ADDRESS_ENV] = address
-    if wait_ready and in_place and plan is not None:
-        started = time.monotonic()
-        print("elastic-mnist warm start: building this node's workers before it joins the running job",
-              file=sys.stderr, flush=True)
-        mark = warm.wait(READY, READY_TIMEOUT_S, "this node's workers to build")
-        print(f"elastic-mnist warm start: workers {'built' if mark == READY else 'not built'} after "
-              f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    if wait_ready:
+        _before_joining(warm, build=in_place and plan is not None)
     return warm
+
+
+def _before_joining(warm: WarmProcess, build: bool) -> None:
+    """A node joining a running job makes it wait only for the process-group change: its warm process imports
+    torch first (and with in-place rounds builds each worker), the running nodes training on meanwhile."""
+    started = time.monotonic()
+    what = "building this node's workers" if build else "importing torch"
+    print(f"elastic-mnist warm start: {what} before this node joins the running job", file=sys.stderr, flush=True)
+    wanted = READY if build else WARM
+    mark = warm.wait(wanted, READY_TIMEOUT_S, "this node's workers to build" if build else "the warm process")
+    print(f"elastic-mnist warm start: {'done' if mark == wanted else 'not done'} after "
+          f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)

@@ -77,11 +77,7 @@ class Job:
 
     def kill_all(self) -> None:
         for a in self.agents:
-            for pid in procs.descendants(a.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            procs.signal_tree(a.pid, signal.SIGKILL)
             a.wait()
 
 

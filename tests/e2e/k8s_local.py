@@ -8,7 +8,6 @@ lifecycle and stop tests.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -118,11 +117,7 @@ class LocalPod:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            for pid in procs.descendants(self.proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            procs.signal_tree(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
 

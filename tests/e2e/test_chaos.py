@@ -131,6 +131,8 @@ def test_join_is_admitted_with_zero_steps_redone(small_mnist, tmp_path):
     (event,) = report["events"]
     assert (event["kind"], event["node"], event["world_size_before"], event["world_size_after"]) == ("join", "n1", 1, 2)
     assert (event["steps_redone"], report["summary"]["world_size"]) == (0, 2), "nothing redone, done at world 2"
+    n0_pids = {r["pid"] for r in read_records(str(tmp_path / "samples")) if r["node"] == "n0"}
+    assert len(n0_pids) == 1, "the running node trained on in one process, before and after the join"
     assert_replays_plan(tmp_path, 150)
 
 

@@ -46,6 +46,7 @@ def test_a_host_that_vanishes_is_dropped(small_mnist, tmp_path):
     assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("vanish", 2, 1)
     # the bound is 4 s at the p50 of 3 (python -m bench --network-only); one run on a shared CI machine: twice that
     assert event["steps_redone"] <= 1 and event["recovery_s"] < 8
+    assert event["breakdown"]["in_place"], "the survivor kept its worker"
     assert_replays_plan(tmp_path, 90)
 
 

@@ -13,7 +13,6 @@ its final state equals the uninterrupted run's to the last bit.
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -51,8 +50,7 @@ def uninterrupted(tmp_path_factory, small_mnist) -> dict:
 
 
 def _kill(job: Job) -> None:
-    for pid in procs.descendants(job.agents[1].pid):
-        os.kill(pid, signal.SIGKILL)
+    procs.signal_tree(job.agents[1].pid, signal.SIGKILL)
 
 
 def _term_agent(job: Job) -> None:
@@ -60,8 +58,7 @@ def _term_agent(job: Job) -> None:
 
 
 def _term_all(job: Job) -> None:
-    for pid in procs.descendants(job.agents[1].pid):
-        os.kill(pid, signal.SIGTERM)
+    procs.signal_tree(job.agents[1].pid, signal.SIGTERM)
 
 
 FAULTS = {  # how node 1 goes, and the environment of each node's processes

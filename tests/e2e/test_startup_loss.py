@@ -12,7 +12,6 @@ fault shows the survivors' agents restarted them (rendezvous/_shrink.py).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -64,8 +63,7 @@ def test_a_node_lost_while_the_others_start_costs_a_restart_not_the_connect_time
         if fault == "preempted":
             lost.send_signal(signal.SIGTERM)
         else:
-            for pid in procs.descendants(lost.pid):  # the node's whole tree, warm process included
-                os.kill(pid, signal.SIGKILL)
+            procs.signal_tree(lost.pid, signal.SIGKILL)  # the node's whole tree, warm process included
         lost.wait(timeout=60)
         assert _first_step_at(job, 3) is None, "the fault came while the workers were still starting"
         # after the fault: a node slow to come up may have let two train for a moment before the third joined

@@ -1,0 +1,32 @@
+"""A node's whole process tree is signalled at once, whatever exits meanwhile.
+
+    python -m pytest -q tests/test_procs.py
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+from elastic_mnist import procs
+
+
+def test_signal_tree_reaches_every_process_below_the_root():
+    # a shell (the agent) with two children (workers), each in the tree only through its parent
+    root = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+    try:
+        def three():
+            tree = procs.descendants(root.pid)
+            return tree if len(tree) == 3 else None
+
+        tree = procs.wait_for(three, 30, "the shell and its two children")
+        before = time.time()
+        assert before <= procs.signal_tree(root.pid, signal.SIGKILL) <= time.time()
+        assert root.wait(timeout=10) == -signal.SIGKILL
+        procs.wait_for(lambda: not any(procs.alive(pid) for pid in tree), 10, "the children gone")
+        procs.signal_tree(root.pid, signal.SIGKILL)  # nothing left below it: no error
+    finally:
+        if root.poll() is None:
+            root.kill()
+            root.wait()
