@@ -75,3 +75,52 @@ def test_an_upward_import_is_found(tmp_path):
         "elastic_mnist/config.py:2 (config, floor 5) imports elastic_mnist.state.manager (floor 4)",
         "elastic_mnist/state/manager.py:1 (state, floor 4) imports elastic_mnist.worker (floor 3)",
     ]
+
+
+def _climbs(run) -> dict[tuple[str, str], int]:
+    """Every call, while run() runs, from a function of the package into one of a room on a higher floor (a
+    callback or an object handed down): (caller, callee) -> calls. Torch's frames in between are skipped."""
+    import sys
+
+    def module(code) -> str | None:
+        path = Path(code.co_filename)
+        return None if PACKAGE not in path.parents else ".".join(("elastic_mnist", *path.relative_to(PACKAGE)
+                                                                         .with_suffix("").parts))
+
+    found: dict[tuple[str, str], int] = {}
+
+    def profile(frame, event, arg):
+        callee = module(frame.f_code) if event == "call" else None
+        caller = frame.f_back
+        while callee and caller is not None and module(caller.f_code) is None:
+            caller = caller.f_back
+        if callee and caller is not None and FLOOR[room_of(callee)] < FLOOR[room_of(module(caller.f_code))]:
+            key = (f"{module(caller.f_code)}.{caller.f_code.co_name}", f"{callee}.{frame.f_code.co_name}")
+            found[key] = found.get(key, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+def test_a_resume_climbs_back_up_a_floor_at_most_5_times(tmp_path):
+    """Following config from build_trainer through a resume, a reader goes back up a floor only where an object
+    handed down is called (the state registry's objects, a writer's callback): at most 5 such places."""
+    import torch
+    from trainers import in_process_trainer
+
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.mnist import Split
+
+    gen = torch.Generator().manual_seed(0)
+    data = [Split(torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen)) for n in (320, 64)]
+    config = TrainConfig(global_batch_size=32, max_steps=5, checkpoint_every=5, checkpoint_dir=str(tmp_path / "c"),
+                         log_dir=str(tmp_path / "runs"), snapshot_dir="")
+    in_process_trainer(config, *data).train()
+    resumed = []
+    climbs = _climbs(lambda: resumed.append(in_process_trainer(config, *data)))
+    assert resumed[0].progress.step == 5, "it resumed"
+    assert 0 < len(climbs) <= 5, "\n".join(f"{a} -> {b} ({n})" for (a, b), n in sorted(climbs.items()))
