@@ -175,6 +175,7 @@ def checkov_report(tmp_path_factory, variants) -> tuple[dict, Path]:
     return report, root
 
 
+@pytest.mark.slow  # checkov takes ~30 s to scan; it reads manifests only, so the torch 2.13 tier need not repeat it
 def test_checkov_finds_nothing_unexplained(checkov_report):
     report, root = checkov_report
     summary = report["summary"]
@@ -185,6 +186,7 @@ def test_checkov_finds_nothing_unexplained(checkov_report):
     assert summary["passed"] > 0 and summary["resource_count"] >= len(VARIANTS) * 10
 
 
+@pytest.mark.slow
 def test_checkov_skips_are_annotations_with_a_reason(checkov_report, variants, committed, seed):
     report, _ = checkov_report
     declared = {}
