@@ -40,13 +40,15 @@ LABELS = {"kill": "kill (SIGKILL)", "term": "preemption (SIGTERM to the agent)",
 @dataclass
 class InPlaceSettings:
     data_dir: str
-    repeats: int = 5
+    repeats: int = 3
+    c10d_repeats: int = 1  # c10d's chain takes 6-10 minutes (its agents exit and restart on most changes)
     costs: tuple = (0.0, 8.0)
     min_step_time: float = 0.05
     global_batch_size: int = 128
     storm_intervals: int = 20
     storm_tick_s: float = 15.0
     timeout_s: float = 420.0
+    c10d_timeout_s: float = 900.0
 
 
 def chain(first: int = 60, every: int = 60) -> str:
@@ -62,7 +64,12 @@ def _run(runner: Runner, s: InPlaceSettings, mode: str, cost: float, repeat: int
              "--startup-cost", str(cost), "--end-after-chaos", *(["--rdzv-conf", conf] if conf else [])]
     name = f"inplace-{mode}-{int(cost)}-{'hosts' if hosts else 'chain'}-{repeat}"
     log(f"in place: {mode}, start-up cost {cost:.0f} s, {'vanish' if hosts else 'chain'} #{repeat + 1} ...")
-    run = elastic.run_local(runner, _bench_settings(s), name, 2, 3, chaos, train, backend, hosts=hosts)
+    try:
+        run = elastic.run_local(runner, _bench_settings(s, mode), name, 2, 3, chaos, train, backend, hosts=hosts)
+    except BenchError as e:  # one failed run is a result (counted, its tail kept), not the end of the bench
+        log(f"  failed: {str(e).splitlines()[0][-300:]}")
+        return {"mode": mode, "startup_cost_s": cost, "repeat": repeat, "hosts": hosts, "chaos": chaos,
+                "events": [], "error": str(e)[-3000:]}
     events = [_event(e) for e in run["report"]["events"] if e["kind"] in (*EVENTS, "cont")]
     for e in events:
         log(f"  {e['kind']}: stall {sec(e['stall_s'])}, recovery {sec(e['recovery_s'])}, redone "
@@ -72,11 +79,12 @@ def _run(runner: Runner, s: InPlaceSettings, mode: str, cost: float, repeat: int
                                                                               "command")}}
 
 
-def _bench_settings(s: InPlaceSettings):
+def _bench_settings(s: InPlaceSettings, mode: str):
     from bench.settings import Settings
 
     return Settings(mode="in-place", data_dir=s.data_dir, repeats=s.repeats, steps=0,
-                    global_batch_size=s.global_batch_size, timeout_s=s.timeout_s)
+                    global_batch_size=s.global_batch_size,
+                    timeout_s=s.c10d_timeout_s if mode == "c10d" else s.timeout_s)
 
 
 def _event(e: dict) -> dict:
@@ -93,7 +101,8 @@ def measure_recovery(runner: Runner, s: InPlaceSettings) -> list[dict]:
         for cost in s.costs:
             order = modes[repeat % 3:] + modes[:repeat % 3]
             for mode in order:
-                runs.append(_run(runner, s, mode, cost, repeat, hosts=False))
+                if mode != "c10d" or repeat < s.c10d_repeats:
+                    runs.append(_run(runner, s, mode, cost, repeat, hosts=False))
             for mode in (m for m in order if m != "c10d" and os.geteuid() == 0):
                 runs.append(_run(runner, s, mode, cost, repeat, hosts=True))
     return runs
@@ -139,8 +148,11 @@ def measure_storm(runner: Runner, s: InPlaceSettings) -> list[dict]:
         log(f"storm: {mode}, a change every {s.storm_tick_s:.0f} s for {s.storm_intervals} ticks ...")
         rc, wall, load = runner.run(cmd, run_dir / "launcher.log", s.storm_intervals * s.storm_tick_s + 400)
         path = run_dir / "run" / "report.json"
-        if not path.exists():
-            raise BenchError(f"{shown(cmd)} exited {rc} without report.json")
+        if not path.exists():  # a result too: said, kept, and the other modes still run
+            log(f"  {mode}: failed, {shown(cmd)} exited {rc} without report.json")
+            out.append({"mode": mode, "ettr": None, "error": f"exited {rc} without report.json", "exit_code": rc,
+                        "command": shown(cmd)})
+            continue
         g = json.loads(path.read_text())["goodput"]
         out.append({"mode": mode, "ettr": g["ettr"], "goodput": g["goodput"], "parts_s": g["parts_s"],
                     "exit_code": rc, "wall_s": round(wall, 1), "load_avg": load, "command": shown(cmd)})
@@ -199,10 +211,17 @@ def render(result: dict) -> str:
     lines += ["", "| storm mode | ETTR | goodput | productive s | redone s | detection s | rendezvous s | "
               "worker start s | resume s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["storm"]:
+        if r.get("error"):
+            lines.append(f"| {r['mode']} | failed: {r['error']} |" + " |" * 7)
+            continue
         p = r["parts_s"]
         lines.append(f"| {r['mode']} | {pct(r['ettr'])} | {pct(r['goodput'])} | " + " | ".join(
             f"{p.get(k, 0):.1f}" for k in ("productive", "redone", "detection", "rendezvous", "worker_start",
                                            "resume")) + " |")
+    failed = [r for r in result["runs"] if r.get("error")]
+    lines += ["", f"Runs that failed (no report; each kept in inplace.json): {len(failed)}" + "".join(
+        f"; {r['mode']}, start-up cost {r['startup_cost_s']:.0f} s, {'vanish' if r['hosts'] else 'chain'}"
+        for r in failed) + "."] if failed else []
     fp = result["frozen_plain"]
     lines += ["", f"Frozen node under plain torchrun (the README's etcd-v3 command plus `--rdzv-conf "
               f"last_call_timeout=2`, every process of node 1 SIGSTOPped): stall p50 {sec(fp['stall_s']['median'])} "
