@@ -115,7 +115,9 @@ class Life:
             except distributed.GroupFormationError as e:  # nothing trained: torchrun forms the next round
                 print(f"elastic-mnist train: {e}; exiting for torchrun to form a new round", file=sys.stderr,
                       flush=True)
-                return Ending(exit_codes.RESTART, goes_on=True)
+                if self.session is not None:  # what torch kept of the failed group is unknown: a fresh process
+                    self._journal("fallback", reason=f"group formation: {str(e)[:200]}", saved="")
+                return Ending(exit_codes.RESTART, goes_on=False)
         self.proc.marks["process_group"] = time.time()
         with ExitStack() as stack:
             if self.session is None:
