@@ -36,6 +36,7 @@ def run(work: Path, data_dir: str, backend: str, gpus: int) -> dict:
         rdzv = [f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id=resizes-{os.getpid()}"]
         cmd = procs.torchrun_command([*TORCHRUN, *rdzv], [
             f"--data-dir={data_dir}", f"--checkpoint-dir={work / 'ckpt'}", f"--log-dir={work / 'runs'}",
+            f"--snapshot-dir={work / 'snapshots'}",  # not /dev/shm: the killed agents leave their snapshots
             f"--sample-log={work / 'samples'}", "--max-steps=100000", "--epochs=1000", f"--backend={backend}",
             "--min-step-time=0.02", "--log-every=100"])
         agents: dict[str, subprocess.Popen] = {}
