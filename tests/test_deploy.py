@@ -75,6 +75,7 @@ def test_base_image_is_pinned_and_carries_the_tested_torch():
     assert pins["torchvision"] == base_version(torchvision.__version__)
 
 
+@pytest.mark.vision  # compares the image's pin with the running torch: the torch the image ships
 def test_a_cpu_build_installs_the_same_torch_from_the_index_it_is_given():
     """kind has no GPU: the documented build (docs/kubernetes.md, README) puts the CPU build of the tested
     torch on a plain Python; the default build keeps the CUDA base's torch. One pinned install either way."""
