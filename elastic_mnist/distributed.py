@@ -13,6 +13,8 @@ import os
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +113,58 @@ def set_nccl_error_handling(environ, report: bool = True) -> None:
 class GroupFormationError(RuntimeError):
     """The workers of this round did not all connect within the formation bound."""
 
+    def __init__(self, message: str, clean: bool = False) -> None:
+        super().__init__(message)
+        self.clean = clean
+        """Nothing of torch's process group was made (the muster failed): the process is as it was."""
+
+
+class StoppedBeforeForming(Exception):
+    """A stop came while this round's workers mustered: nothing of the round was made."""
+
+
+MUSTER_PREFIX = "elastic_mnist/muster/"
+MUSTER_POLL_S = 0.005
+
+
+def muster(env: DistEnv, connect_s: float, stopped: Callable[[], bool], arrived: Callable[[], None] = lambda: None):
+    """The round's store, once every rank has said it is there: the waiting a lost peer causes happens here,
+    in Python, where a stop is seen within a few ms and leaves nothing behind, instead of inside the C++ that
+    forms the group (which no stop can interrupt: a kept worker asked to stop there could only exit). None
+    where torch's own rendezvous makes the store (no torchrun, or torchrun's agent hosts it: c10d). `arrived`:
+    called once the store is up (tests' fault points)."""
+    if not env.launched or env.master is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return None
+    host, port = env.master
+    deadline = time.monotonic() + connect_s
+    keys = [f"{MUSTER_PREFIX}{r}" for r in range(env.world_size)]
+    try:
+        # torch's store client, refused, dials again only after 0.3-0.7 s (its backoff's first step): a
+        # member that attaches a few ms before rank 0 hosts the store would cost the whole round that.
+        if env.rank != 0 and not wait_for_listener(host, port, connect_s, stopped=stopped) and not stopped():
+            raise GroupFormationError(f"rank 0's store at {host}:{port} did not answer within {connect_s:.0f}s "
+                                      "(--connect-timeout)", clean=True)
+        if stopped():
+            raise StoppedBeforeForming()
+        store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=connect_s), multi_tenant=True)
+        arrived()
+        store.set(keys[env.rank], b"1")
+        while not store.check(keys):
+            if stopped():
+                raise StoppedBeforeForming()
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                raise GroupFormationError(f"ranks {missing} of this round's {env.world_size} did not come within "
+                                          f"{connect_s:.0f}s (--connect-timeout)", clean=True)
+            time.sleep(MUSTER_POLL_S)
+    except RuntimeError as e:
+        if isinstance(e, GroupFormationError):
+            raise
+        raise GroupFormationError(f"this round's store at {host}:{port} failed before the group formed: "
+                                  f"{str(e).splitlines()[0][:200]}", clean=True) from e
+    return store
+
 
 def read_local(environ: dict | None = None) -> tuple[int, int]:
     """(local rank, local world size): what a worker started before its round knows of its place."""
@@ -127,10 +181,12 @@ def pick_device(requested_backend: str, local_rank: int, local_world_size: int) 
     return device
 
 
-def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: float | None = None) -> torch.device:
+def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: float | None = None,
+         store=None) -> torch.device:
     """Join the process group (a lone process gets a one-member group) and pick this rank's device.
     Forming the group may take `connect_s` (default: `timeout_s`), every collective after it `timeout_s`:
-    a peer this host cannot reach (a partial partition) costs the round the short bound, not a collective's."""
+    a peer this host cannot reach (a partial partition) costs the round the short bound, not a collective's.
+    `store`: the round's, from `muster` (else torch's rendezvous makes it from the environment)."""
     backend = pick_backend(requested_backend, env.local_world_size)
     device = pick_device(requested_backend, env.local_rank, env.local_world_size)
     if backend == "nccl":
@@ -139,9 +195,9 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: floa
     timeout = datetime.timedelta(seconds=connect_s or timeout_s)
     if env.launched:
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        if env.rank != 0 and env.master is not None:
-            # torch's store client, refused, dials again only after 0.3-0.7 s (its backoff's first step): a
-            # member that attaches a few ms before rank 0 hosts the store would cost the whole round that.
+        if store is not None:
+            kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
+        elif env.rank != 0 and env.master is not None:  # (see muster)
             wait_for_listener(*env.master, timeout.total_seconds())
         try:
             dist.init_process_group(backend, timeout=timeout, **kwargs)

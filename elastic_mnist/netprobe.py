@@ -127,11 +127,12 @@ def _probeable(address: str) -> bool:
     return True
 
 
-def wait_for_listener(host: str, port: int, timeout: float, every: float = 0.01) -> bool:
+def wait_for_listener(host: str, port: int, timeout: float, every: float = 0.01, stopped=None) -> bool:
     """Dial host:port until something accepts (True) or `timeout` passes; False at once when the host is
-    silent or unknown (a refusal is the only answer worth dialling again for: the host is up, its server not yet)."""
+    silent or unknown (a refusal is the only answer worth dialling again for: the host is up, its server not yet),
+    or when `stopped()` says the wait is no longer wanted."""
     deadline = time.monotonic() + timeout
-    while True:
+    while not (stopped is not None and stopped()):
         try:
             with socket.create_connection((host, port), timeout=max(0.01, min(1.0, deadline - time.monotonic()))):
                 return True
@@ -141,3 +142,4 @@ def wait_for_listener(host: str, port: int, timeout: float, every: float = 0.01)
             time.sleep(every)
         except OSError:
             return False
+    return False

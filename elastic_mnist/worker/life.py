@@ -29,7 +29,7 @@ import io
 import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -108,16 +108,20 @@ class Life:
         self.proc.marks = {**self.marks, "stand_in": now - process_age_s(), "attached": now}
         # Until the state is agreed, a stop has nothing new to save: a process holding an earlier round's state
         # saves that first, any other exits at once (the newest state is in its files or with its peers). This
-        # spares torchrun's 30 s wait on a worker forming a group with peers that are leaving.
-        with self.stop.leave_at_once("before the process group formed", before=self._save_held):
-            try:
-                distributed.init(env, config.backend, config.collective_timeout, config.connect_timeout)
-            except distributed.GroupFormationError as e:  # nothing trained: torchrun forms the next round
-                print(f"elastic-mnist train: {e}; exiting for torchrun to form a new round", file=sys.stderr,
-                      flush=True)
-                if self.session is not None:  # what torch kept of the failed group is unknown: a fresh process
-                    self._journal("fallback", reason=f"group formation: {str(e)[:200]}", saved="")
-                return Ending(exit_codes.RESTART, goes_on=False)
+        # spares torchrun's 30 s wait on a worker forming a group with peers that are leaving. A process that
+        # can serve another round waits for its peers in the muster, where a stop ends the round, not it.
+        kept = self.session is not None
+        try:
+            with nullcontext() if kept else self.stop.leave_at_once("before the process group formed"):
+                store = distributed.muster(env, config.connect_timeout, lambda: self.stop.requested,
+                                           lambda: self.faults.reach_muster(env.rank, env.restart_count))
+            with self.stop.leave_at_once("before the process group formed", before=self._save_held):
+                distributed.init(env, config.backend, config.collective_timeout, config.connect_timeout, store)
+        except distributed.StoppedBeforeForming:
+            return self._not_formed("a stop came before the process group formed", clean=True,
+                                    code=exit_codes.OK, goes_on=not self.stop.orphaned)
+        except distributed.GroupFormationError as e:  # nothing trained: torchrun forms the next round
+            return self._not_formed(str(e), e.clean, exit_codes.RESTART, goes_on=kept and e.clean)
         self.proc.marks["process_group"] = time.time()
         with ExitStack() as stack:
             if self.session is None:
@@ -128,6 +132,17 @@ class Life:
             trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
             self.last = trainer.checkpoints
             return self._train(trainer)
+
+    def _not_formed(self, why: str, clean: bool, code: int, goes_on: bool) -> Ending:
+        """The round's group did not form. A process that only mustered is as it was: it serves the next round
+        (journaled "round_not_formed"); what torch kept of a group that failed inside its own connect is
+        unknown: a fresh process (a fallback)."""
+        print(f"elastic-mnist train: {why}; {'this worker waits for' if goes_on else 'exiting for'} torchrun to "
+              "form a new round", file=sys.stderr, flush=True)
+        if self.session is not None:
+            self._journal("round_not_formed" if clean else "fallback", reason=f"group formation: {why[:200]}",
+                          **({"kept": goes_on} if clean else {"saved": ""}))
+        return Ending(code, goes_on=goes_on)
 
     def _train(self, trainer: Trainer) -> Ending:
         try:

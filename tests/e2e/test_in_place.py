@@ -3,10 +3,10 @@ optimizer, data, RNG) and rebuild only their process groups, and the job ends bi
 uninterrupted one does.
 
 Two real nodes (min 2: the world stays 2, so the weights can be compared to the last bit), real etcd, real
-signals: a node killed, its agent or every process of it sent SIGTERM, a peer lost inside the gradient
-all-reduce, and a fallback forced by a failing teardown (then the fresh start of old runs instead). A
-replacement node joins where one left. Each run redoes at most one step, its sample log replays the plan, and
-its final state equals the uninterrupted run's to the last bit.
+signals: a node killed, its agent or every process of it sent SIGTERM, a peer lost inside the gradient all-
+reduce, a peer lost while the group forms, and a fallback forced by a failing teardown (then the fresh start of
+old runs instead). A replacement node joins where one left. Each run redoes at most one step, its sample log
+replays the plan, and its final state equals the uninterrupted run's to the last bit.
 
     python -m pytest -q tests/e2e/test_in_place.py
 """
@@ -95,6 +95,26 @@ def test_survivors_keep_their_process_and_end_bit_for_bit(tmp_path, small_mnist,
             assert in_place and not fallbacks, "the survivor went on in its own process"
         assert_same_state(uninterrupted, checkpoint.load_latest(str(tmp_path / "ckpt"))[0], keys=STATE)
         assert not procs.alive(survivor) and not [p for a in job.agents for p in procs.descendants(a.pid)]
+    finally:
+        job.kill_all()
+
+
+def test_a_peer_lost_while_the_group_forms_costs_the_survivor_only_that_round(tmp_path, small_mnist,
+                                                                            etcd_server_v3only, uninterrupted):
+    """Node 1's worker dies inside the first round's muster, where rank 0 waits for it: node 0's worker, asked
+    to stop there, keeps its process (its pid trains every step) and no fallback is journaled."""
+    job = _job(tmp_path, small_mnist, etcd_server_v3only.endpoint)
+    job.node_env = {1: {"ELASTIC_MNIST_FAULT": "kill:rank=1:round=0:at=muster"}}
+    try:
+        job.start()
+        assert [a.wait(timeout=300) for a in job.agents] == [0, 0], job.logs()
+        assert "[fault] kill at round 0 (muster)" in job.logs()
+        given_up = [e for e in job.events("round_not_formed") if e["rank"] == 0]  # rank 0 mustered, 1 died
+        trained_by = {r["pid"] for r in read_records(str(tmp_path / "samples")) if r["rank"] == 0}
+        assert given_up and given_up[0]["kept"] and trained_by == {given_up[0]["pid"]}, job.logs()
+        assert not job.events("fallback") and job.redone_steps() == 0, job.logs()
+        _assert_replays_plan(tmp_path)
+        assert_same_state(uninterrupted, checkpoint.load_latest(str(tmp_path / "ckpt"))[0], keys=STATE)
     finally:
         job.kill_all()
 
