@@ -23,7 +23,7 @@ from elastic_mnist.runlog import read_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TRIALS = 5  # about 12 s each on 2 cores: the file stays near 2 minutes
+TRIALS = 3  # about 12 s each on 2 cores: the file stays near 1.5 minutes
 MAX_STEPS = 10_000  # never reached: each trial ends with both nodes stopped
 
 

@@ -21,7 +21,7 @@ from elastic_mnist.runlog import read_records
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FAKETIME_LIB = next((str(p) for p in Path("/usr/lib").glob("*/faketime/libfaketime.so.1")), "")
-OUTAGE_S = float(os.environ.get("ELASTIC_MNIST_TEST_ETCD_OUTAGE_S", "300"))  # etcd away 5 minutes
+OUTAGE_S = float(os.environ.get("ELASTIC_MNIST_TEST_ETCD_OUTAGE_S", "120"))  # etcd away 2 minutes
 
 
 def skewed(offset_s: int) -> dict[str, str]:
