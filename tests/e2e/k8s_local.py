@@ -20,7 +20,9 @@ from conftest import load_render
 from k8s_manifests import argv, container, find, pod_spec, resolve_env, trainer_job, under
 
 from elastic_mnist import procs
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.etcd.server import EtcdServer
+from elastic_mnist.state import snapshots
 
 render = load_render()
 REPO = Path(__file__).resolve().parents[2]
@@ -154,8 +156,13 @@ class Cluster:
         return "\n".join(f"--- pod {p.index}\n{p.log()[-4000:]}" for p in self.pods)
 
     def close(self) -> None:
+        """Kill the pods; what their /dev/shm held goes too (a pod's own memory volume ends with it, this
+        machine's /dev/shm does not: the test owns the run directory its killed pods left there)."""
         for p in self.pods:
             p.kill()
+        if self.pods:
+            shutil.rmtree(Path(snapshots.root_of(TrainConfig().snapshot_dir)) / snapshots.run_name(self.uid),
+                          ignore_errors=True)
 
 
 def etcd_for(variant: str) -> EtcdServer:
