@@ -158,9 +158,9 @@ def muster(env: DistEnv, connect_s: float, stopped: Callable[[], bool], arrived:
                 raise GroupFormationError(f"ranks {missing} of this round's {env.world_size} did not come within "
                                           f"{connect_s:.0f}s (--connect-timeout)", clean=True)
             time.sleep(MUSTER_POLL_S)
-    except RuntimeError as e:
-        if isinstance(e, GroupFormationError):
-            raise
+    except GroupFormationError:
+        raise
+    except RuntimeError as e:  # the store's own errors (a rank 0 that died, a refused client)
         raise GroupFormationError(f"this round's store at {host}:{port} failed before the group formed: "
                                   f"{str(e).splitlines()[0][:200]}", clean=True) from e
     return store
