@@ -3,7 +3,7 @@ its own dir, so whichever dir a newer group's rank shares, the older group finds
 
     python -m pytest -q tests/test_fence.py
 
-Two real processes in a real gloo group (FileStore rendezvous), each with its own --checkpoint-dir.
+Two real processes in a real gloo group (tests/gloo_group.py), each with its own --checkpoint-dir.
 """
 
 import json
@@ -11,8 +11,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_group import run_group
 from trainers import in_process_trainer
 
 from elastic_mnist.config import TrainConfig
@@ -32,34 +31,30 @@ def _split(n: int) -> Split:
     return Split(torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen))
 
 
-def _worker(rank: int, world: int, store_path: str, work: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        own = os.path.join(work, f"node{rank}")
-        config = TrainConfig(global_batch_size=32, max_steps=40, checkpoint_every=5, log_every=1000,
-                             log_dir=os.path.join(work, f"runs{rank}"),
-                             checkpoint_dir=own, checkpoint_storage="local", keep_checkpoints=10)
-        trainer = in_process_trainer(config, _split(640), _split(64), DistEnv(rank=rank, world_size=world))
-        original = trainer.forward_backward
+def _worker(rank: int, world: int, work: str) -> None:
+    own = os.path.join(work, f"node{rank}")
+    config = TrainConfig(global_batch_size=32, max_steps=40, checkpoint_every=5, log_every=1000,
+                         log_dir=os.path.join(work, f"runs{rank}"),
+                         checkpoint_dir=own, checkpoint_storage="local", keep_checkpoints=10)
+    trainer = in_process_trainer(config, _split(640), _split(64), DistEnv(rank=rank, world_size=world))
+    original = trainer.forward_backward
 
-        def forward_backward(step):
-            if step == 7 and rank == 1:  # a newer group's rank claims node 1's dir (not rank 0's)
-                assert _token(own) == _token(os.path.join(work, "node0")), "one token for the whole group"
-                fence.claim_generation(own, 1)
-            return original(step)
+    def forward_backward(step):
+        if step == 7 and rank == 1:  # a newer group's rank claims node 1's dir (not rank 0's)
+            assert _token(own) == _token(os.path.join(work, "node0")), "one token for the whole group"
+            fence.claim_generation(own, 1)
+        return original(step)
 
-        trainer.forward_backward = forward_backward
-        trainer.train()
-        with open(os.path.join(work, f"result{rank}.json"), "w") as f:
-            json.dump({"superseded": trainer.superseded, "step": trainer.progress.step,
-                       "saved": sorted(s for s, _ in checkpoint.list_checkpoints(own))}, f)
-    finally:
-        dist.destroy_process_group()
+    trainer.forward_backward = forward_backward
+    trainer.train()
+    with open(os.path.join(work, f"result{rank}.json"), "w") as f:
+        json.dump({"superseded": trainer.superseded, "step": trainer.progress.step,
+                   "saved": sorted(s for s, _ in checkpoint.list_checkpoints(own))}, f)
 
 
 @pytest.mark.slow
 def test_a_newer_group_in_any_local_dir_stops_the_whole_older_group(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    run_group(_worker, 2, str(tmp_path))
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
     assert all(r["superseded"] for r in results), results
     assert [r["step"] for r in results] == [11, 11], "both stop one step after the save point that found it"

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_group import run_group
 from trainers import in_process_trainer
 
 from elastic_mnist.config import TrainConfig
@@ -31,21 +31,17 @@ def _step(rank: int, world: int, step: int, work: str) -> tuple[list[torch.Tenso
     return [p.grad.clone() for p in trainer.model.parameters()], trainer.replicas.uses_ddp
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        grads, uses_ddp = _step(rank, world, 3, out_dir)
-        torch.save(grads, os.path.join(out_dir, f"grads{rank}.pt"))
-        # The MLP has no buffers: its gradients are averaged without DDP, whose constructor imports
-        # torch._dynamo (a second of every worker start).
-        assert not uses_ddp and "torch._dynamo" not in sys.modules
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    grads, uses_ddp = _step(rank, world, 3, out_dir)
+    torch.save(grads, os.path.join(out_dir, f"grads{rank}.pt"))
+    # The MLP has no buffers: its gradients are averaged without DDP, whose constructor imports
+    # torch._dynamo (a second of every worker start).
+    assert not uses_ddp and "torch._dynamo" not in sys.modules
 
 
 @pytest.mark.slow
 def test_ddp_gradient_over_three_uneven_ranks_equals_single_process(tmp_path):
-    mp.spawn(_worker, args=(3, str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
+    run_group(_worker, 3, str(tmp_path))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         expected = _grads(0, 1, 3, str(tmp_path))
@@ -57,29 +53,25 @@ def test_ddp_gradient_over_three_uneven_ranks_equals_single_process(tmp_path):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-def _bn_worker(rank: int, world: int, store_path: str) -> None:
+def _bn_worker(rank: int, world: int) -> None:
     from elastic_mnist.worker.parallel import DataParallel
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    try:
-        torch.manual_seed(rank)  # different starting weights: both paths must start every rank from rank 0's
-        for model in (torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), torch.nn.Linear(4, 3)):
-            replicas = DataParallel(model, world)
-            assert replicas.uses_ddp is isinstance(model, torch.nn.Sequential)  # buffers -> DDP
-            replicas(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
-            replicas.average_gradients()
-            for t in [*model.parameters(), *(p.grad for p in model.parameters())]:
-                gathered = [torch.empty_like(t) for _ in range(world)]
-                dist.all_gather(gathered, t.detach().contiguous())
-                assert all(torch.equal(gathered[0], g) for g in gathered), "ranks disagree"
-        _branches_used_by_some_ranks_or_none(rank, world)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(rank)  # different starting weights: both paths must start every rank from rank 0's
+    for model in (torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), torch.nn.Linear(4, 3)):
+        replicas = DataParallel(model, world)
+        assert replicas.uses_ddp is isinstance(model, torch.nn.Sequential)  # buffers -> DDP
+        replicas(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        replicas.average_gradients()
+        for t in [*model.parameters(), *(p.grad for p in model.parameters())]:
+            gathered = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(gathered, t.detach().contiguous())
+            assert all(torch.equal(gathered[0], g) for g in gathered), "ranks disagree"
+    _branches_used_by_some_ranks_or_none(rank, world)
 
 
 @pytest.mark.slow
 def test_models_with_and_without_buffers_end_each_step_identical_on_every_rank(tmp_path):
-    mp.spawn(_bn_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    run_group(_bn_worker, 2)
 
 
 def _branches_used_by_some_ranks_or_none(rank: int, world: int) -> None:
