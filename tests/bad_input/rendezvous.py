@@ -185,6 +185,7 @@ REPLAYS = [
 
 
 _TRANSFER = """
+import os
 import sys
 import torch.distributed as dist
 from elastic_mnist.state import format as checkpoint, sync
@@ -198,6 +199,8 @@ try:
 except sync.TransferRefused as e:
     print(e)
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown while gloo's threads free the collective's tensors (SIGABRT)
 """
 
 
