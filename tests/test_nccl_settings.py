@@ -7,12 +7,14 @@ from conftest import run_torchrun
 
 from elastic_mnist.distributed import NCCL_ERROR_HANDLING, NCCL_ERROR_HANDLING_ENV, set_nccl_error_handling
 
+# Both workers share torchrun's stdout: each line goes out in one write(2), so that the two cannot
+# interleave inside a line (print writes its arguments one by one when stdout is unbuffered).
 WORKER = f"""
 import os
 from elastic_mnist.distributed import set_nccl_error_handling
-print("agent passed", os.environ.get("{NCCL_ERROR_HANDLING_ENV}"), flush=True)
+os.write(1, f"agent passed {{os.environ.get('{NCCL_ERROR_HANDLING_ENV}')}}\\n".encode())
 set_nccl_error_handling(os.environ, os.environ["LOCAL_RANK"] == "0")
-print("worker runs with", os.environ["{NCCL_ERROR_HANDLING_ENV}"], flush=True)
+os.write(1, f"worker runs with {{os.environ['{NCCL_ERROR_HANDLING_ENV}']}}\\n".encode())
 """
 
 
