@@ -219,6 +219,7 @@ def render(result: dict) -> str:
             f"{p.get(k, 0):.1f}" for k in ("productive", "redone", "detection", "rendezvous", "worker_start",
                                            "resume")) + " |")
     lines += [f"\n{r['mode']} storm: {r['note']}" for r in result["storm"] if r.get("note")]
+    lines += [f"\n{note}" for note in result.get("notes", [])]  # rows merged from another run say so here
     failed = [r for r in result["runs"] if r.get("error")]
     lines += ["", f"Runs that failed (no report; each kept in inplace.json): {len(failed)}" + "".join(
         f"; {r['mode']}, start-up cost {r['startup_cost_s']:.0f} s, {'vanish' if r['hosts'] else 'chain'}"
