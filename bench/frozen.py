@@ -8,11 +8,13 @@ the last step anyone trained to its first step alone.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 
 from bench.runner import BenchError, Runner, child_env, log, shown, spread
 from elastic_mnist import procs
+from elastic_mnist.config import SHM_SNAPSHOTS
 from elastic_mnist.runlog import read_records
 
 TORCHRUN = ["--nnodes=1:4", "--nproc-per-node=1", "--rdzv-backend=etcd-v3", "--max-restarts=100",
@@ -49,6 +51,15 @@ def _one(runner: Runner, endpoint: str, data_dir: str, i: int) -> dict:
         for agent in agents:
             procs.signal_tree(agent.pid, signal.SIGKILL)
             agent.wait()
+        _remove_snapshots(f"frozen-{os.getpid()}-{i}-")
+
+
+def _remove_snapshots(prefix: str) -> None:
+    """The killed job's in-memory snapshots (its default --snapshot-dir); nothing else removes them."""
+    root = SHM_SNAPSHOTS.format(uid=os.getuid())
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _start(cmd: list[str], log_path) -> subprocess.Popen:

@@ -72,10 +72,18 @@ class Runner:
         load = load_avg()
         t0 = time.perf_counter()
         with open(log_path, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
             try:
-                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO,
-                                    timeout=timeout, check=False).returncode
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                # SIGTERM first: a launcher stops its nodes on it. A SIGKILL alone would leave a SIGSTOPped
+                # node's workers behind (stopped, they never act on their parent's death).
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
                 rc = 124
         return rc, time.perf_counter() - t0, load
 
