@@ -16,6 +16,7 @@ from bench.runner import BenchError, Runner, child_env, log, shown, spread
 from elastic_mnist import procs
 from elastic_mnist.config import SHM_SNAPSHOTS
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import snapshots
 
 TORCHRUN = ["--nnodes=1:4", "--nproc-per-node=1", "--rdzv-backend=etcd-v3", "--max-restarts=100",
             "--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=2"]  # the README's, and a user's key
@@ -33,8 +34,8 @@ def measure_frozen_plain(runner: Runner, data_dir: str, repeats: int) -> dict:
 
 
 def _one(runner: Runner, endpoint: str, data_dir: str, i: int) -> dict:
-    work = runner.new_dir(f"frozen-plain-{i}")
-    cmd = procs.torchrun_command([*TORCHRUN, f"--rdzv-endpoint={endpoint}", f"--rdzv-id=frozen-{os.getpid()}-{i}"], [
+    work, run_id = runner.new_dir(f"frozen-plain-{i}"), f"frozen-{os.getpid()}-{i}"
+    cmd = procs.torchrun_command([*TORCHRUN, f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"], [
         "--data-dir", data_dir, "--checkpoint-dir", str(work / "ckpt"), "--log-dir", str(work / "runs"),
         "--sample-log", str(work / "samples"), "--max-steps", "100000", "--min-step-time", "0.05"])
     agents = [_start(cmd, work / f"node{n}.log") for n in range(2)]
@@ -51,15 +52,8 @@ def _one(runner: Runner, endpoint: str, data_dir: str, i: int) -> dict:
         for agent in agents:
             procs.signal_tree(agent.pid, signal.SIGKILL)
             agent.wait()
-        _remove_snapshots(f"frozen-{os.getpid()}-{i}-")
-
-
-def _remove_snapshots(prefix: str) -> None:
-    """The killed job's in-memory snapshots (its default --snapshot-dir); nothing else removes them."""
-    root = SHM_SNAPSHOTS.format(uid=os.getuid())
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith(prefix):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        # the killed job's in-memory snapshots (its default --snapshot-dir): nothing else removes them
+        shutil.rmtree(os.path.join(snapshots.root_of(SHM_SNAPSHOTS), snapshots.run_name(run_id)), ignore_errors=True)
 
 
 def _start(cmd: list[str], log_path) -> subprocess.Popen:
