@@ -34,6 +34,24 @@ def test_a_cut_inside_a_group_keeps_the_largest_connected_part() -> None:
     assert losing_side({"a", "b", "c", "d"}, {"a": {"c", "d"}, "b": {"c", "d"}}) == {"c", "d"}
 
 
+def test_a_tie_goes_to_the_running_round_before_the_names() -> None:
+    # a cut healing, read with one old report: n1's "cannot reach n0" is still there, n2's is already clear.
+    # {n0, n2} and {n1, n2} tie; n1 and n2 trained together, so they go on and n0 waits a moment longer
+    # instead of each of the pair hiding the other
+    assert losing_side({"n0", "n1", "n2"}, {"n1": {"n0"}}, incumbents={"n1", "n2"}) == {"n0"}
+    assert losing_side({"n0", "n1", "n2"}, {"n2": {"n0"}}, incumbents={"n1", "n2"}) == {"n0"}
+    assert losing_side({"n0", "n1", "n2"}, {"n1": {"n0"}}, incumbents={"n0", "n1", "n2"}) == {"n1"}, "equal: names"
+    # size still comes first: b, c and d reach each other, a alone trained
+    assert losing_side({"a", "b", "c", "d"}, {"a": {"c", "d"}}, incumbents={"a"}) == {"a"}
+
+
+def test_beyond_the_exact_search_incumbents_are_taken_first() -> None:
+    nodes = [f"n{i:02d}" for i in range(EXACT_UP_TO + 4)]
+    reports = {nodes[0]: {nodes[1]}}
+    assert losing_side(nodes, reports) == {nodes[1]}
+    assert losing_side(nodes, reports, incumbents=nodes[1:]) == {nodes[0]}
+
+
 def test_reports_about_or_from_nodes_outside_the_round_are_ignored() -> None:
     assert losing_side({"a", "b"}, {"a": {"gone"}, "gone": {"b"}}) == set()
     assert losing_side({"a"}, {"a": {"a"}}) == set(), "a node never cuts itself"

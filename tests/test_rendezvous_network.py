@@ -127,6 +127,35 @@ def test_torchs_sanitizer_keeps_a_node_whose_clock_is_30_s_behind() -> None:
     assert datetime.now(timezone.utc) - beat < WINDOW
 
 
+def test_a_rounds_incumbents_are_every_member_it_had_while_they_leave_it() -> None:
+    """The partition rule's tie-break prefers the last completed round's members (_partition.py). They leave
+    it one by one when the next round forms, and a reader in between must still name them all."""
+    view, now = RoundView(WINDOW, None), datetime.now(timezone.utc)
+
+    def read(names: list[str], round_: int = 1, complete: bool = True) -> None:
+        state = _RendezvousState()
+        state.round, state.complete = round_, complete
+        for name in names:  # torch names a node host_pid_local: here "n1_1_0"
+            node = _NodeDesc(name, 1, 0)
+            state.participants[node], state.last_heartbeats[node] = 0, now
+        view(pickle.dumps(state))
+
+    def named(*names: str) -> set[str]:
+        return {f"{name}_1_0" for name in names}
+
+    read(["n1", "n2"], complete=False)
+    assert view.incumbents == set(), "an open round has no members yet"
+    read(["n1", "n2"])
+    read(["n1"])  # n2 left for the next round; the round stays complete until n1 leaves too
+    assert view.incumbents == named("n1", "n2")
+    read([], round_=2, complete=False)
+    assert view.incumbents == named("n1", "n2"), "the next round is still forming"
+    read(["n0", "n1", "n2"], round_=2)
+    assert view.incumbents == named("n0", "n1", "n2")
+    read(["n0"], round_=3)
+    assert view.incumbents == named("n0"), "a newer completed round replaces them"
+
+
 # --- beacons -------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

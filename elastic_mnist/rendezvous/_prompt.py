@@ -64,11 +64,15 @@ class RoundView:
         self._said = ""
         self.hiding = False  # the last state read had nodes hidden for a partition
         self.read: tuple[int, bool, frozenset[str]] | None = None  # (round, complete and open, members) in etcd
+        self.incumbents: frozenset[str] = frozenset()  # the members of the last completed round read
+        self._incumbent_round = -1
         self.closed = False  # the last state read was closed (the job finished or ended)
 
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
         self.read = (state.round, state.complete and not state.closed, frozenset(map(str, state.participants)))
+        if state.complete and not state.closed:
+            self._note_incumbents(state.round, self.read[2])
         self.closed = bool(state.closed)
         changed = self._drop_dead(state)  # on the values as written: a dead node's last one is remembered
         changed = self.clock.present(state) or changed
@@ -77,6 +81,13 @@ class RoundView:
         if not self.hiding:
             changed = close_when_everyone_is_in(state, self.window) or changed
         return pickle.dumps(state) if changed else state_bits
+
+    def _note_incumbents(self, round_: int, members: frozenset[str]) -> None:
+        # The partition rule's tie-break prefers them (_partition.py). Members leave a completed round one
+        # by one when the next forms (it stays complete until the last has left): every member ever read
+        # in it counts, so that whoever reads during those exits still names the same nodes.
+        same = round_ == self._incumbent_round
+        self.incumbents, self._incumbent_round = (self.incumbents | members if same else members), round_
 
     def restore(self, state_bits: bytes) -> bytes:
         """A state torch is about to write, with every heartbeat it did not change back as its node wrote it."""
@@ -116,7 +127,7 @@ class RoundView:
         """The other nodes to hide: those on the losing side of a partition, when this node is not."""
         own = self.liveness.own
         reports = {**self.liveness.reports, **({own: self.liveness.unreachable} if own else {})}
-        losing = losing_side(alive, reports)
+        losing = losing_side(alive, reports, self.incumbents)
         self.cut_off = own in losing
         self.side = frozenset(alive - losing) if losing else frozenset()
         if self.cut_off:
