@@ -23,7 +23,7 @@ from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
 from elastic_mnist.rendezvous._lease import LeaseKeeper
-from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness, advertised_host
+from elastic_mnist.rendezvous._liveness import RECHECK_S, Beacon, PeerLiveness, advertised_host
 from elastic_mnist.rendezvous._prompt import RoundView
 
 PREFIX = "/torchelastic/v3"
@@ -101,6 +101,17 @@ def test_nobody_is_judged_for_a_gap_in_our_own_reads(clock) -> None:
         now.tick(0.5)
         seen = ages(heartbeats, now, beats)
     assert min(seen.values()) > WINDOW.total_seconds(), "then silence counts again"
+
+
+def test_a_heartbeat_that_changed_in_this_read_is_not_stale(clock) -> None:
+    """Staleness is judged before the new read is taken in: a value that changed since the last read just
+    beat, however long ago the previous one was seen."""
+    heartbeats, now = clock
+    ages(heartbeats, now, {"a": T0})
+    now.tick(2.0)
+    name = next(iter(heartbeats._seen))  # noqa: SLF001 - torch's name for node "a"
+    assert heartbeats.age_of(name, T0) == 2.0, "the same value: 2 s without a beat"
+    assert heartbeats.age_of(name, T0 + timedelta(seconds=2)) == 0.0, "a new value: it beat"
 
 
 def test_what_torch_writes_back_carries_the_values_its_nodes_wrote(clock) -> None:
@@ -215,6 +226,41 @@ def test_a_probe_that_reaches_our_own_address_is_no_proof(etcd: EtcdServer) -> N
     client.close()
     assert me.gone(["twin_1_0"]) == set()
     me.close()
+
+
+def test_a_heartbeat_that_turns_stale_is_probed_at_once(etcd: EtcdServer) -> None:
+    """An agent asked a moment ago, while it still beat, is asked again as soon as its heartbeat turns
+    stale: that is when a frozen agent (its kernel completes the handshake, the agent sends nothing) is found."""
+    run_id, node = "turns-stale", "10.9.9.8_7_0"
+    with socket.socket() as frozen:  # listens and never accepts: what a SIGSTOPped agent's beacon does
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen()
+        client = raw_client(etcd)
+        client.put(f"{PREFIX}/{run_id}/probe/{node}", f"127.0.0.1:{frozen.getsockname()[1]}")
+        client.close()
+        watcher = liveness(etcd, run_id)
+        assert watcher.gone([node]) == set(), "it still beats: an agent that sends nothing is not judged"
+        assert watcher.gone([node], stale=[node]) == {node}, "stale now: asked again at once, and found frozen"
+
+
+def test_a_waiting_agent_looks_again_when_a_heartbeat_turns_stale(etcd: EtcdServer) -> None:
+    """A frozen peer writes nothing, so the state does not change: the agent waiting in a forming round looks
+    again when the peer's heartbeat turns stale, then each RECHECK_S, not a whole poll later."""
+    now = FakeTime()
+    view = RoundView(WINDOW, liveness(etcd, "next-look"))
+    view.clock = HeartbeatClock(WINDOW, timedelta(seconds=1), lambda: now.mono, lambda: now.wall)
+    forming = state_with({"peer": now.wall})
+    forming.complete = False
+    view(pickle.dumps(forming))
+    assert 1.4 < view.next_look(5.0) <= 1.5, "its beat turns stale half a window (1.5 s) after we saw it"
+    assert view.next_look(1.0) == 1.0, "never longer than the caller's poll"
+    now.tick(2.0)
+    view(pickle.dumps(forming))  # the same heartbeat 2 s later: stale
+    assert 0.4 < view.next_look(5.0) <= RECHECK_S
+    steady = state_with({"peer": now.wall})
+    steady.complete = True
+    view(pickle.dumps(steady))
+    assert view.next_look(5.0) == 5.0, "a complete round nobody waits to join: the watch alone"
 
 
 # --- etcd away -------------------------------------------------------------------------------------------

@@ -57,6 +57,11 @@ class HeartbeatClock:
         seen = self._seen.get(name)
         return 0.0 if seen is None else self._monotonic() - seen[1]
 
+    def age_of(self, name: str, value: datetime) -> float:
+        """`age(name)` if its heartbeat is still `value`; 0 if it changed since the last read (it just beat)."""
+        seen = self._seen.get(name)
+        return self.age(name) if seen is not None and seen[0] == value else 0.0
+
     def present(self, state: Any) -> bool:
         """Rewrite `state`'s heartbeats (node -> datetime) and deadline into this agent's clock; True if changed."""
         now, wall = self._monotonic(), self._wall()

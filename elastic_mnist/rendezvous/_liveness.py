@@ -99,6 +99,7 @@ class PeerLiveness:
         self._written: bytes | None = None  # what this agent last wrote under its key
         self._order = _ordered.Order()  # refuses an older value of a key written back (a replay)
         self._probed: dict[str, float] = {}  # node -> when its beacon last did not refuse (answered or silent)
+        self._probed_stale: set[str] = set()  # of those, the ones whose heartbeat was stale at that probe
         self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
         self._peers: dict[str, str] = {}  # node -> beacon address, as last listed: asked during an etcd outage
         self._learned_round = -1
@@ -149,8 +150,11 @@ class PeerLiveness:
         """Of `nodes`, those whose published beacon refuses connections, and those of `stale` (no heartbeat
         for a while) whose beacon accepts without answering (a frozen agent); none without a published
         beacon, never this agent itself. Also notes who is silent from here, and reads every peer's report."""
-        now = time.monotonic()
-        wanted = {n for n in nodes if now - self._probed.get(n, -RECHECK_S) >= RECHECK_S and n != self._own}
+        now, stale = time.monotonic(), set(stale)
+        # A node whose heartbeat just turned stale is asked at once (is it frozen?), not RECHECK_S after
+        # it last answered while it still beat.
+        wanted = {n for n in nodes if n != self._own and (now - self._probed.get(n, -RECHECK_S) >= RECHECK_S
+                                                           or (n in stale and n not in self._probed_stale))}
         if not wanted:
             return set()
         published = self.read_reports()
@@ -177,6 +181,7 @@ class PeerLiveness:
         for name in result.refused:
             self._probed.pop(name, None)
         self._probed.update(dict.fromkeys(addresses.keys() - result.refused, now))
+        self._probed_stale = (self._probed_stale - addresses.keys()) | (addresses.keys() & stale)
         self._note_unreachable((self.unreachable & (self._peers.keys() - addresses.keys())) | silent)
         return result.refused
 

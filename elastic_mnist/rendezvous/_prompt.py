@@ -66,6 +66,8 @@ class RoundView:
         self.read: tuple[int, bool, frozenset[str]] | None = None  # (round, complete and open, members) in etcd
         self.incumbents: frozenset[str] = frozenset()  # the members of the last completed round read
         self._incumbent_round = -1
+        self.stale_s = 0.5 * window.total_seconds()  # no beat for this long: probed for a frozen agent
+        self._look_by: float | None = None  # monotonic: when a forming round should be looked at again
         self.closed = False  # the last state read was closed (the job finished or ended)
 
     def __call__(self, state_bits: bytes) -> bytes:
@@ -76,6 +78,7 @@ class RoundView:
         self.closed = bool(state.closed)
         changed = self._drop_dead(state)  # on the values as written: a dead node's last one is remembered
         changed = self.clock.present(state) or changed
+        self._note_next_look(state)
         # A node hidden for a partition may be hidden on a report its author has not refreshed yet (it
         # re-probes as soon as the node waits to join): such a round keeps torch's last call, not less.
         if not self.hiding:
@@ -88,6 +91,25 @@ class RoundView:
         # in it counts, so that whoever reads during those exits still names the same nodes.
         same = round_ == self._incumbent_round
         self.incumbents, self._incumbent_round = (self.incumbents | members if same else members), round_
+
+    def _note_next_look(self, state) -> None:
+        # While a round forms, a frozen peer writes nothing: the state does not change, and the watch would
+        # only wake a waiting agent a whole poll later. Look again when the next heartbeat turns stale
+        # (then its agent is probed), or, once stale, when it may be probed again.
+        self._look_by = None
+        if self.liveness is None or state.closed or (state.complete and not state.wait_list):
+            return
+        waits = [RECHECK_S if age > self.stale_s else self.stale_s - age for age in
+                 (self.clock.age(str(node)) for node, beat in state.last_heartbeats.items()
+                  if beat != LONG_AGO and str(node) != self.liveness.own)]
+        if waits:
+            self._look_by = time.monotonic() + min(waits)
+
+    def next_look(self, longest: float) -> float:
+        """How long a waiting agent may wait for the state to change before it looks again (at most `longest`)."""
+        if self._look_by is None:
+            return longest
+        return min(longest, max(0.05, self._look_by - time.monotonic()))
 
     def restore(self, state_bits: bytes) -> bytes:
         """A state torch is about to write, with every heartbeat it did not change back as its node wrote it."""
@@ -110,7 +132,7 @@ class RoundView:
         self._dead = {n: beat for n, beat in self._dead.items() if n not in beats or beats[n] <= beat}
         # No heartbeat for half the window (a beat is due every third of it) and an agent that does not
         # answer its beacon: frozen (liveness.gone). Silent nodes are the partition rule's business.
-        stale = {n for n in names if self.clock.age(n) > 0.5 * self.window.total_seconds()}
+        stale = {n for n in names if self.clock.age_of(n, beats[n]) > self.stale_s}
         for name in self.liveness.gone(names.keys() - self._dead.keys(), stale):
             self._dead[name] = beats[name]
             self._forget(name)
@@ -213,7 +235,7 @@ class PromptOpExecutor(DistributedRendezvousOpExecutor):
                 action = state_handler(ctx, deadline)
                 if action != Action.SYNC:
                     return action
-                self._wait_for_change(POLL_S)
+                self._wait_for_change(POLL_S if self.view is None else self.view.next_look(POLL_S))
                 ctx = self._look_again()
 
         super().run(prompt, deadline, update_deadline)
