@@ -169,7 +169,7 @@ class PeerLiveness:
         # a partitioned node's heartbeats reach etcd late (its agent probes while holding its backend's
         # lock), and judging it dead would let each side form a round of its own. Only the shared reports
         # (_partition.py) and torch's own window decide for silent nodes.
-        frozen = (result.answered - spoke) & set(stale)
+        frozen = (result.answered - spoke) & stale
         result.refused.update(frozen)
         result.answered.difference_update(frozen)
         newly_silent = addresses.keys() - result.refused - result.answered - self.unreachable

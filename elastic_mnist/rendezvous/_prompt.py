@@ -73,7 +73,7 @@ class RoundView:
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
         self.read = (state.round, state.complete and not state.closed, frozenset(map(str, state.participants)))
-        if state.complete and not state.closed:
+        if self.read[1]:
             self._note_incumbents(state.round, self.read[2])
         self.closed = bool(state.closed)
         changed = self._drop_dead(state)  # on the values as written: a dead node's last one is remembered
@@ -97,7 +97,7 @@ class RoundView:
         # only wake a waiting agent a whole poll later. Look again when the next heartbeat turns stale
         # (then its agent is probed), or, once stale, when it may be probed again.
         self._look_by = None
-        if self.liveness is None or state.closed or (state.complete and not state.wait_list):
+        if self.liveness is None or state.closed or not _forming(state):
             return
         waits = [RECHECK_S if age > self.stale_s else self.stale_s - age for age in
                  (self.clock.age(str(node)) for node, beat in state.last_heartbeats.items()
@@ -120,7 +120,7 @@ class RoundView:
     def _drop_dead(self, state) -> bool:
         # Probing only while a round forms: a steady job costs no connections. Every node with a
         # heartbeat is probed: participants, waiting nodes, and nodes between their exit and re-join.
-        forming = not state.complete or bool(state.wait_list)
+        forming = _forming(state)
         if self.liveness is not None and state.complete and not state.closed:
             # once per round: whom to ask if etcd goes away, whom the workers probe
             self.liveness.learn_peers(state.round, map(str, state.participants))
@@ -192,6 +192,11 @@ class RoundView:
         if line != self._said:
             self._said = line
             print(f"elastic-mnist etcd-v3: {self.liveness.own}: {line}", file=sys.stderr, flush=True)
+
+
+def _forming(state) -> bool:
+    """A round is forming: it is open, or someone waits to join the next one."""
+    return not state.complete or bool(state.wait_list)
 
 
 def close_when_everyone_is_in(state, window: timedelta) -> bool:
