@@ -1,12 +1,19 @@
 """What an etcd-v3 torchrun agent shares with its workers beyond torchrun's environment: its pid, and a
-private directory of its own (0700) for the warm process's socket and for a worker's configuration error.
+private directory of its own (0700) for the warm process's socket, a worker's configuration error, and the
+notes by which a worker tells its agent that its round ended for a membership change or that the job is done.
 
     python -c "from elastic_mnist import agent_link; print(agent_link.create({}))"
 
 A worker that finds a configuration error (a bad flag, missing data, a checkpoint of another model) writes
 the one line it printed into that directory and exits 78. The agent reads it before it would rendezvous
 again, closes the job's rendezvous with that line, and every agent of the job ends with it (exit 78)
-instead of restarting workers that fail the same way (rendezvous/_verdict.py). Standard library only.
+instead of restarting workers that fail the same way (rendezvous/_verdict.py).
+
+A process torchrun started whose round ended for a membership change (a peer lost, stopped or joining; a
+group that did not form) does not exit with it: `end_process` writes ROUND_OVER here and waits until the
+agent takes it. torch's agent counts every worker that exits non-zero against --max-restarts, but restarts
+a healthy group for free when a node waits to join: the agent's handler reports the note as such a node
+(rendezvous/_budget.py), so a peer's departure never spends this node's restarts. Standard library only.
 """
 
 from __future__ import annotations
@@ -14,13 +21,25 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import stat
+import sys
 import tempfile
+import threading
+import time
+from contextlib import suppress
+from typing import NoReturn
 
-from elastic_mnist import files, procs
+from elastic_mnist import exit_codes, files, procs
 
 AGENT_DIR_ENV = "ELASTIC_MNIST_AGENT_DIR"
 CONFIG_ERROR = "config-error"
+ROUND_OVER = "round-over"  # a worker's round ended for a membership change: restart it, count nothing
+JOB_DONE = "job-done"  # a worker of this node trained the job to its end
+ROUND_OVER_WAIT_S = 30.0
+"""How long a worker waits for its agent to take ROUND_OVER (the agent looks every --monitor-interval, 0.1 s)
+before it exits anyway, as a failure torchrun counts: an agent that does not look is not ours to wait for."""
+_POLL_S = 0.01
 _MAX_LINE = 4096  # a line, not a file: what a worker writes here is read back bounded
 
 
@@ -87,3 +106,55 @@ def config_error(where: str) -> str | None:
         return os.read(fd, _MAX_LINE + 1).decode(errors="replace").strip() or None
     finally:
         os.close(fd)
+
+
+def _note(name: str, environ=os.environ) -> str:
+    """The path of note `name` in this process's agent directory ("" without one)."""
+    where = directory(environ)
+    return os.path.join(where, name) if where and os.path.isdir(where) else ""
+
+
+def report_job_done(environ=os.environ) -> None:
+    """This worker trained the job to its end: its agent may close the rendezvous when it exits."""
+    path = _note(JOB_DONE, environ)
+    if path:
+        files.atomic_write(path, "", 0o600)
+
+
+def job_done(where: str) -> bool:
+    return bool(where) and os.path.isfile(os.path.join(where, JOB_DONE))
+
+
+def take_round_over(where: str) -> bool:
+    """The agent's side: True once for each note a worker left (removing it lets that worker exit)."""
+    try:
+        os.unlink(os.path.join(where, ROUND_OVER))
+        return True
+    except OSError:
+        return False
+
+
+def end_process(code: int, environ=os.environ) -> NoReturn:
+    """Exit with `code`. A process its etcd-v3 agent started, whose round ended for a membership change
+    (RESTART), first leaves ROUND_OVER for the agent and waits until the agent takes it (or stops it)."""
+    with suppress(Exception):  # a closed or broken pipe must not keep the process alive
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code == exit_codes.RESTART and _started_by_agent(environ):
+        path = _note(ROUND_OVER, environ)
+        if path:
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the agent's stop ends us at once
+                    signal.signal(sig, signal.SIG_DFL)
+            with suppress(OSError):
+                files.atomic_write(path, "", 0o600)
+                deadline = time.monotonic() + ROUND_OVER_WAIT_S
+                while os.path.exists(path) and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)  # a file the agent removes: no descriptor signals that
+    os._exit(code)
+
+
+def _started_by_agent(environ) -> bool:
+    """torchrun's own child (a stand-in or a cold worker), not a fork of the warm process."""
+    agent = environ.get(procs.AGENT_PID_ENV, "")
+    return agent.isdigit() and os.getppid() == int(agent)

@@ -6,8 +6,10 @@ manifests (checked by tests/test_k8s.py) and the README all use these.
 
 from __future__ import annotations
 
-# Every membership change restarts the surviving workers and counts as one restart for torchrun's
-# failure path (a crash, a preemption): a long spot run sees many, so the budget must be large.
+# What torchrun's agent may restart after workers of its own node failed. Under etcd-v3 a membership change
+# (a peer killed, preempted or joining) counts nothing (rendezvous/_budget.py), and own failures are also
+# limited by rate there; under the legacy etcd and c10d backends every peer's departure counts one, so a
+# long spot run on those needs a budget far above its expected number of changes.
 MAX_RESTARTS = 100
 
 # How often the agent checks its workers and the rendezvous for waiting nodes. torch's default; each tick
@@ -30,7 +32,8 @@ def rdzv_conf(backend: str, extra: dict | None = None) -> str:
 
 
 def torchrun_args(backend: str, endpoint: str, run_id: str, min_nodes: int = 1, max_nodes: int = 4,
-                  nproc_per_node: int | str = 1, conf: dict | None = None) -> list[str]:
+                  nproc_per_node: int | str = 1, conf: dict | None = None,
+                  max_restarts: int = MAX_RESTARTS) -> list[str]:
     """The torchrun flags for one node of an elastic job (the program and its flags follow); `conf`: more
     --rdzv-conf keys (the user's), over the tuned ones."""
     return [
@@ -40,6 +43,6 @@ def torchrun_args(backend: str, endpoint: str, run_id: str, min_nodes: int = 1, 
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
         *([f"--rdzv-conf={rdzv_conf(backend, conf)}"] if RDZV_CONF[backend] or conf else []),
-        f"--max-restarts={MAX_RESTARTS}",
+        f"--max-restarts={max_restarts}",
         f"--monitor-interval={MONITOR_INTERVAL}",
     ]

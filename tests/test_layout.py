@@ -15,9 +15,9 @@ FLOORS = [
     {"local", "ops"},  # the launcher; the pod entry, preflight and status
     {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
     {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
-    # warm: workers forked from a warm process; agent_link: what an agent and its workers share; job_secret reads
-    # its file through files.read_regular
-    {"config", "distributed", "metrics", "torchrun_settings", "warm", "agent_link", "job_secret"},
+    # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
+    {"config", "distributed", "metrics", "torchrun_settings", "warm", "job_secret"},
+    {"agent_link"},  # what an agent and its workers share: torchrun's child (a stand-in or a worker) ends there
     {"runlog", "procs", "files", "netprobe", "_torch_compat"},
     {"_compat_checks"},  # how _torch_compat checks torch (public names only)
     {"errors", "exit_codes"},

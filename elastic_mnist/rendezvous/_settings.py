@@ -16,6 +16,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._secrets import secret
 from elastic_mnist.rendezvous.conf import (
+    DEFAULT_CRASH_LIMIT,
+    DEFAULT_CRASH_WINDOW_S,
     DEFAULT_KEY_PREFIX,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_OUTAGE_TIMEOUT_S,
@@ -40,6 +42,9 @@ class EtcdV3Settings:
     """Workers start as forks of a warm process beside the agent (elastic_mnist/warm)."""
     in_place: bool = True
     """Workers outlive their round: a membership change rebuilds only their process groups (warm/kept.py)."""
+    crash_limit: int = DEFAULT_CRASH_LIMIT
+    """How many of this node's own worker failures within crash_window it survives (_budget.py)."""
+    crash_window: float = DEFAULT_CRASH_WINDOW_S
 
 
 def _int_option(params: RendezvousParameters, key: str, default: int) -> int:
@@ -88,5 +93,7 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
     last_call = timedelta(seconds=_int_option(params, "last_call_timeout", 30))
     # The agent rides out an etcd outage (preflight and status, which also read the schema, do not).
     conn = connection_spec(params.endpoint, {"outage_timeout": DEFAULT_OUTAGE_TIMEOUT_S, **params.config})
+    crashes = (_int_option(params, "crash_limit", DEFAULT_CRASH_LIMIT),
+               float(params.get("crash_window") or DEFAULT_CRASH_WINDOW_S))  # ranges: check_values above
     return EtcdV3Settings(conn, prefix, _lease_ttl(params), job_secret,
-                          probe, window, last_call, warm, in_place and warm)
+                          probe, window, last_call, warm, in_place and warm, *crashes)

@@ -26,6 +26,10 @@ DEFAULT_READ_TIMEOUT_S = 10.0  # each etcd call's deadline: an unreachable etcd 
 DEFAULT_KEY_PREFIX = "/torchelastic/v3"  # next to torch's /torchelastic/p2p (v2), never inside it
 DEFAULT_LEASE_TTL_S = 7200  # keys of a job that vanished expire after 2 h (_lease.py)
 DEFAULT_OUTAGE_TIMEOUT_S = 360.0  # an etcd away this long (its pod rescheduled, a node drained) is ridden out
+# A node gives up when its own workers fail more than this often (_budget.py): a crash loop ends within
+# minutes, while a week on spot, whose departures and joins count nothing, never comes near it.
+DEFAULT_CRASH_LIMIT = 10
+DEFAULT_CRASH_WINDOW_S = 3600.0
 
 
 # The longest any of the seconds keys may be: far beyond what a job waits for, far below what Python's
@@ -74,6 +78,8 @@ SCHEMA: Mapping[str, Key] = MappingProxyType({
     "peer_probe": Key(int, 1, "backend", low=0, high=1),
     "warm_start": Key(int, 1, "backend", low=0, high=1),
     "in_place": Key(int, 1, "backend", low=0, high=1),
+    "crash_limit": Key(int, DEFAULT_CRASH_LIMIT, "backend", low=1, high=MAX_ATTEMPTS),
+    "crash_window": Key(float, DEFAULT_CRASH_WINDOW_S, "backend", low=1, high=MAX_SECONDS),
     # torchrun's LaunchConfig always adds `timeout` (--rdzv-timeout, 900 s by default); like torch's own
     # dynamic backends we ignore it: the join deadline is join_timeout.
     "timeout": Key(int, None, "torchrun"),

@@ -62,10 +62,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist import agent_link, exit_codes, job_secret, procs
 from elastic_mnist.errors import UserError
+from elastic_mnist.rendezvous._budget import count_only_own_failures
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._lease import LeaseKeeper
-from elastic_mnist.rendezvous._leave import leave_at_exit
+from elastic_mnist.rendezvous._leave import leave, leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._replay import ReplayGuard
@@ -302,6 +303,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     if backend.view is not None:  # always, as create_backend builds it
         restart_when_the_round_shrinks(handler, backend.view, store)
         end_the_job_on_config_errors(handler, backend.view, store, params.run_id, agent_dir, backend.get_state)
+    count_only_own_failures(handler, agent_dir, settings.crash_limit, settings.crash_window,
+                            lambda: leave(handler, backend.client, backend.liveness))
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(compat.handler_node(handler)))

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from elastic_mnist import exit_codes, procs
+from elastic_mnist import agent_link, exit_codes, procs
 from elastic_mnist.warm import _wire, settings
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -122,4 +122,4 @@ def _finish(code: int) -> None:
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = exit_codes.killed_by(-code)
-    os._exit(code)
+    agent_link.end_process(code)  # a round ended for a membership change: the agent restarts us uncounted

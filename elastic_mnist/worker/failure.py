@@ -13,7 +13,6 @@ the save raised, hung (a stuck filesystem) or its thread died.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from elastic_mnist import exit_codes
+from elastic_mnist import agent_link, exit_codes
 from elastic_mnist.distributed import RoundAbandoned
 
 # What a failure save may take beyond --collective-timeout before the watchdog gives up on it: the same
@@ -68,7 +67,7 @@ class FailureHandoff:
     `unblock` (rounds in place: distributed.abandon_round) the main thread ends the round in memory instead."""
 
     def __init__(self, save: Callable[[str], str], witness: LossWitness, bounds: Bounds, warn: Callable[[str], None],
-                 abort: Callable[[], None] | None = None, exit: Callable[[int], None] = os._exit,
+                 abort: Callable[[], None] | None = None, exit: Callable[[int], None] = agent_link.end_process,
                  unblock: Callable[[], None] | None = None):
         self._save, self._witness, self.bounds, self._warn, self._abort = save, witness, bounds, warn, abort
         self._exit, self._unblock = exit, unblock

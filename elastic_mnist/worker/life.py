@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_mnist import distributed, exit_codes
+from elastic_mnist import agent_link, distributed, exit_codes
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
@@ -234,6 +234,7 @@ def pay_startup_cost(seconds: float, stop: StopRequest) -> None:
 
 def write_final(config, trainer: Trainer, summary: dict) -> None:
     trainer.checkpoints.mark_finished(summary)
+    agent_link.report_job_done()  # this node's agent may close the rendezvous: the job is over
     if trainer.rank != 0:
         return
     trainer.metrics.mark_outputs()

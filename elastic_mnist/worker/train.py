@@ -59,11 +59,9 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
 def launch(task: Task | None = None) -> NoReturn:
     """Run the worker, then end the process at once. Every writer is closed and flushed by then, and the
     interpreter's own teardown (collecting torch's module graph) costs ~2 s on the path of every
-    membership change, where torchrun waits for this process to go."""
-    code = main(task=task)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    membership change, where torchrun waits for this process to go. A round that ended for a membership
+    change is handed to the agent first (agent_link.end_process): that spends none of its restarts."""
+    agent_link.end_process(main(task=task))
 
 
 if __name__ == "__main__":

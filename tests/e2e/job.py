@@ -18,9 +18,10 @@ class Job:
     """`start()` again is what a kubelet does after a crash: same id, same flags."""
 
     def __init__(self, tmp_path, data_dir: str, endpoint: str, backend: str, max_steps: int, *extra: str,
-                 nodes: int = 2, min_nodes: int = 2, env: dict | None = None):
+                 nodes: int = 2, min_nodes: int = 2, env: dict | None = None,
+                 max_restarts: int = torchrun_settings.MAX_RESTARTS):
         self.tmp, self.endpoint, self.backend, self.max_steps = tmp_path, endpoint, backend, max_steps
-        self.nodes, self.min_nodes, self.env = nodes, min_nodes, env or {}
+        self.nodes, self.min_nodes, self.env, self.max_restarts = nodes, min_nodes, env or {}, max_restarts
         self.run_id = f"job-{os.getpid()}-{tmp_path.name}"[:60]
         self.train_args = [
             f"--data-dir={data_dir}", f"--checkpoint-dir={tmp_path / 'ckpt'}", f"--log-dir={tmp_path / 'runs'}",
@@ -35,7 +36,8 @@ class Job:
 
     def start_node(self, i: int) -> subprocess.Popen:
         """Node i's agent (again: a kubelet's restart, or a replacement machine under that name)."""
-        targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes)
+        targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes,
+                                                max_restarts=self.max_restarts)
         log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
         argv = self.command(i, procs.torchrun_command(targs, self.train_args))
         self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

@@ -1,0 +1,89 @@
+"""A peer's departure is not this node's failure: a membership change spends none of its restarts, and a
+node whose own workers crash too often leaves the job without ending it for the others.
+
+    torchrun --rdzv-backend=etcd-v3 --max-restarts=3 ...   # a peer may leave 1000 times; 4 own crashes end it
+    torchrun --rdzv-backend=etcd-v3 --rdzv-conf=crash_limit=10,crash_window=3600 ...
+
+torch's agent (SimpleElasticAgent._invoke_run) takes one from --max-restarts for every worker that exits
+non-zero, and restarts a healthy worker group for free when `num_nodes_waiting()` > 0 (a node joining). A
+worker whose round ended for a membership change (a peer lost, stopped or joining; a group that did not
+form) therefore does not exit: it leaves a note in its agent's directory and waits (agent_link.end_process).
+This agent's poll of `num_nodes_waiting` takes the note and reports a waiting node, so torch restarts the
+workers as for a join. What torch still counts is this node's own failures.
+
+Those are limited by rate as well: more than `crash_limit` within `crash_window` seconds and this node gives
+up. It leaves the rendezvous (the others re-form without it at once) and its agent exits 69 (NODE_LOCAL:
+another node may do better). torch's launcher shuts the rendezvous down, which closes it for every node,
+whenever its agent ends other than by a signal, also when it gives up; here only a node whose workers
+trained the job to its end closes it (a configuration error closes it in _verdict.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+
+from elastic_mnist import agent_link, exit_codes
+from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.rendezvous.conf import BACKEND_NAME
+
+
+class RestartBudget:
+    """Wraps the three methods torch's agent and launcher call on the handler."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, agent_dir: str, limit: int, window_s: float,
+                 leave: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self._dir, self._limit, self._window_s, self._leave, self._clock = agent_dir, limit, window_s, leave, clock
+        self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
+        self._shutdown = handler.shutdown
+        self._joined = False  # a first rendezvous is no restart
+        self._free = False  # the coming restart is a membership change (torch did not count it)
+        self.crashes: deque[float] = deque()
+
+    def num_nodes_waiting(self) -> int:
+        waiting = self._num_nodes_waiting()
+        if not waiting and agent_link.take_round_over(self._dir):
+            print(f"elastic-mnist {BACKEND_NAME}: this node's workers ended their round for a membership change; "
+                  "restarting them into the next round (no restart is counted)", file=sys.stderr, flush=True)
+            waiting = 1
+        self._free = self._free or waiting > 0
+        return waiting
+
+    def next_rendezvous(self):
+        if self._joined and not self._free and not agent_link.config_error(self._dir):
+            self._crashed()  # a config error is the job's, not this node's: _verdict.py ends the job
+        self._joined, self._free = True, False
+        agent_link.take_round_over(self._dir)  # a note from a worker stopped before its agent took it
+        return self._next_rendezvous()
+
+    def _crashed(self) -> None:
+        now = self._clock()
+        self.crashes.append(now)
+        while self.crashes and self.crashes[0] < now - self._window_s:
+            self.crashes.popleft()
+        if len(self.crashes) > self._limit:
+            print(f"elastic-mnist {BACKEND_NAME}: error: this node's workers failed {len(self.crashes)} times within "
+                  f"{self._window_s:.0f}s (crash_limit={self._limit}); this node leaves the job, which goes on "
+                  f"without it: fix what fails here (its workers' errors are above), or raise --rdzv-conf "
+                  f"crash_limit", file=sys.stderr, flush=True)
+            raise SystemExit(exit_codes.NODE_LOCAL)
+
+    def shutdown(self) -> bool:
+        """torch's launcher calls this whenever its agent ends other than by a signal. It closes the
+        rendezvous for every node, which is right only when the job is over."""
+        if agent_link.job_done(self._dir):
+            return self._shutdown()
+        self._leave()  # gave up, or stopped on its own: the others re-form without this node
+        return True
+
+
+def count_only_own_failures(handler: DynamicRendezvousHandler, agent_dir: str, limit: int, window_s: float,
+                            leave: Callable[[], None]) -> RestartBudget:
+    """Wrap the handler's methods (an instance's own attributes win over its class's)."""
+    budget = RestartBudget(handler, agent_dir, limit, window_s, leave)
+    handler.next_rendezvous = budget.next_rendezvous  # type: ignore[method-assign]
+    handler.num_nodes_waiting = budget.num_nodes_waiting  # type: ignore[method-assign]
+    handler.shutdown = budget.shutdown  # type: ignore[method-assign]
+    return budget
