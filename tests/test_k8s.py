@@ -377,8 +377,9 @@ def test_trainer_is_an_elastic_indexed_job(variant, variants):
 def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_local_ones(variant, variants):
     """Every onExitCodes rule names its container (without containerName the Job controller matches
     init containers' exit codes too); 78 (configuration, closed rendezvous) fails the Job from
-    preflight or `elastic-mnist pod`; preflight's node-local code and an OOM kill of the trainer fail
-    only the index; a SIGTERM exit (a shrink, a deleted pod) is not counted."""
+    preflight or `elastic-mnist pod`; the node-local code (preflight's, or a trainer that gave up on its own
+    failures or a problem of its node) and an OOM kill of the trainer fail only the index; a SIGTERM exit (a
+    shrink, a deleted pod) is not counted."""
     job = trainer_job(variants[variant])
     names = {c["name"] for c in all_containers(job)}
     rules = [r for r in job["spec"]["podFailurePolicy"]["rules"] if "onExitCodes" in r]
@@ -392,7 +393,7 @@ def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_loc
     sigterm, sigkill = exit_codes.killed_by(15), exit_codes.killed_by(9)
     assert by_action == {
         "FailJob": {("preflight", exit_codes.PERMANENT), ("trainer", exit_codes.PERMANENT)},
-        "FailIndex": {("preflight", exit_codes.NODE_LOCAL), ("trainer", sigkill)},
+        "FailIndex": {("preflight", exit_codes.NODE_LOCAL), ("trainer", exit_codes.NODE_LOCAL), ("trainer", sigkill)},
         "Ignore": {("preflight", sigterm), ("trainer", sigterm)},
     }
     # FailIndex is only valid (and only means "this index") with a per-index backoff limit.

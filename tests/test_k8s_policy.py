@@ -238,3 +238,11 @@ def test_on_one_node_a_node_local_failure_just_fails_its_index(variant, variants
     run = BadNodeRun(job, opts, nodes=1)
     assert run.hold == 0
     assert run.run(seconds=600, phase=0) == "Failed: MaxFailedIndexesExceeded" and len(run.failures) == 4
+
+
+@pytest.mark.parametrize("given", [["--max-restarts=100"], ["--max-restarts", "3"], ["--max_restarts=0"], []])
+def test_a_pods_restarts_are_limited_by_rate_not_by_a_lifetime_count(given):
+    """Under etcd-v3 the pod hands torchrun a budget no run reaches; the backend's crash rate ends a node."""
+    args = ["--nnodes=1:4", *given, "--rdzv-backend=etcd-v3", "--monitor-interval=0.1"]
+    assert pod_entry.rate_limited(args) == ["--nnodes=1:4", "--rdzv-backend=etcd-v3", "--monitor-interval=0.1",
+                                      f"--max-restarts={pod_entry.POD_MAX_RESTARTS}"]

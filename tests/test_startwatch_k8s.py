@@ -118,8 +118,9 @@ def _required_terms(job: dict) -> list[dict]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_mark_is_the_one_the_trainers_avoid_and_only_node_local_exits_set_it(variant, variants):
     """The label the watchdog sets is the key the trainers' required node affinity says DoesNotExist, per job
-    (its instance label); what sets it is exactly the Job's FailIndex exit of preflight for this node; the
-    preflight holds that exit for two sweeps (the node is marked before a replacement could fail there)."""
+    (its instance label); what sets it is exactly the Job's FailIndex exits for this node (preflight's, and a
+    trainer that gave up); both containers hold that exit for two sweeps (the node is marked before a
+    replacement could fail there)."""
     docs = variants[variant]
     opts, job = watchdog_options(docs), trainer_job(docs)
     if variant in SINGLE_NODE:
@@ -133,10 +134,10 @@ def test_the_mark_is_the_one_the_trainers_avoid_and_only_node_local_exits_set_it
     rules = job["spec"]["podFailurePolicy"]["rules"]
     fail_index = {(r["onExitCodes"]["containerName"], v) for r in rules if r["action"] == "FailIndex"
                   and "onExitCodes" in r for v in r["onExitCodes"]["values"]}
-    assert opts.node_local_exit == {"preflight": exit_codes.NODE_LOCAL}
+    assert opts.node_local_exit == {"preflight": exit_codes.NODE_LOCAL, "trainer": exit_codes.NODE_LOCAL}
     assert set(opts.node_local_exit.items()) <= fail_index
-    hold = float(resolve_env(job, container(job, "preflight"))["ELASTIC_MNIST_NODE_LOCAL_HOLD_S"])
-    assert hold >= 2 * opts.interval
+    for name in opts.node_local_exit:
+        assert float(resolve_env(job, container(job, name))["ELASTIC_MNIST_NODE_LOCAL_HOLD_S"]) >= 2 * opts.interval
     assert 3600 <= opts.avoid_for <= 86400, "long enough to matter, short enough not to starve a small pool"
 
 

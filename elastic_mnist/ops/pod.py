@@ -18,9 +18,14 @@ Takes torchrun's arguments word for word and adds what a pod needs around it:
     the finished.json rank 0 writes. One that finds the rendezvous closed without it (a node gave up;
     torchrun would fail with RendezvousClosedError on both backends, and every replacement again)
     exits 78 with one line: the Job fails at once and a re-applied Job resumes from the checkpoint.
+  - Under etcd-v3 a node's restarts are limited by rate, not by a lifetime count: torchrun's
+    --max-restarts is raised to POD_MAX_RESTARTS, and the backend's crash_limit within crash_window
+    (own failures only: a peer's departure or a join counts nothing) ends the node with 69, which fails
+    its index (FailIndex) and marks its node, without closing the rendezvous for the others.
 Exit: 0 when the job finished (also when stopped at its end); 128+N after signal N that this process
 passed on to torchrun (torchrun itself exits 1 on SIGTERM: torch raises SignalException out of its
-launcher); 78 on a configuration mistake or a closed rendezvous; else torchrun's code.
+launcher); 78 on a configuration mistake or a closed rendezvous; 69 when this node gave up (too many
+failures of its own, or a problem of this node only); else torchrun's code.
 """
 
 from __future__ import annotations
@@ -34,12 +39,15 @@ import time
 
 from elastic_mnist import exit_codes, procs
 from elastic_mnist.errors import UserError
-from elastic_mnist.ops.preflight import Launch, closed_line, finished_line, parse_launch
+from elastic_mnist.ops.preflight import Launch, closed_line, finished_line, hold_node_local, parse_launch
 
 STOP_ENV = "ELASTIC_MNIST_STOP_S"
 STOP_S = 50.0  # after a SIGTERM: torchrun's shutdown (30 s by default) plus DRAIN_S, with a margin
 DRAIN_S = 15.0  # after torchrun exits: how long the container's other processes may take to end
 _KILL_WAIT_S = 5.0  # after SIGKILL: a process stuck in the kernel (a hung NFS write) is left to the container's end
+# torchrun's lifetime budget in a pod under etcd-v3: out of reach in any real run, so that only the backend's
+# crash rate (rendezvous/_budget.py) ends a node. A week of spot changes spends none of either.
+POD_MAX_RESTARTS = 1_000_000
 
 
 def _say(line: str) -> None:
@@ -184,7 +192,10 @@ def run(argv: list[str]) -> int:
     if verdict is not None:
         return verdict
     forwarder.started = True
-    child = subprocess.Popen(procs.torchrun_command(argv[:argv.index("-m")], launch.train_args, module),
+    torchrun_args = argv[:argv.index("-m")]
+    if launch.backend == "etcd-v3":
+        torchrun_args = rate_limited(torchrun_args)
+    child = subprocess.Popen(procs.torchrun_command(torchrun_args, launch.train_args, module),
                              env=procs.child_env(), preexec_fn=procs.die_with_parent_preexec(signal.SIGTERM))
     forwarder.child = child.pid
     forwarder.forward()  # a signal that arrived while Popen started torchrun
@@ -195,8 +206,23 @@ def run(argv: list[str]) -> int:
         verdict = _verdict(launch, config)
         if verdict is not None:
             return verdict
+        if code == exit_codes.NODE_LOCAL:  # this node gave up; the job goes on without it
+            hold_node_local(lambda line: print(line, flush=True), "elastic-mnist pod")
     finished = forwarder.forwarded is not None and finished_line(config.checkpoint_dir, config.max_steps) is not None
     return exit_code(code, forwarder.forwarded, finished)
+
+
+def rate_limited(torchrun_args: list[str]) -> list[str]:
+    """torchrun's flags with --max-restarts at POD_MAX_RESTARTS (every spelling torchrun takes)."""
+    out, skip = [], False
+    for arg in torchrun_args:
+        if skip:
+            skip = False
+        elif arg in ("--max-restarts", "--max_restarts"):
+            skip = True
+        elif not arg.startswith(("--max-restarts=", "--max_restarts=")):
+            out.append(arg)
+    return [*out, f"--max-restarts={POD_MAX_RESTARTS}"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,21 +212,22 @@ def run_checks(launch: Launch, say=print) -> int:
             return PERMANENT
         except NodeLocal as e:
             say(f"preflight: {name}: FAILED (this node, exit {NODE_LOCAL}): {e}")
-            _hold(say)
+            hold_node_local(say)
             return NODE_LOCAL
     return _wait_for_etcd(launch, say)
 
 
-def _hold(say) -> None:
-    """Stay running $ELASTIC_MNIST_NODE_LOCAL_HOLD_S before a node-local exit: the pod is not terminal yet,
-    so the Job creates no replacement until the start watchdog has had two sweeps to mark this node."""
+def hold_node_local(say, who: str = "preflight") -> None:
+    """Stay running $ELASTIC_MNIST_NODE_LOCAL_HOLD_S before a node-local exit (preflight's, or the pod's when
+    its node gave up): the pod is not terminal yet, so the Job creates no replacement until the start
+    watchdog has had two sweeps to mark this node."""
     try:
         hold = float(os.environ.get(HOLD_ENV) or 0)
     except ValueError:
-        say(f"preflight: ${HOLD_ENV}={os.environ[HOLD_ENV]!r} is not a number of seconds: exiting without holding")
+        say(f"{who}: ${HOLD_ENV}={os.environ[HOLD_ENV]!r} is not a number of seconds: exiting without holding")
         return
     if hold > 0:
-        say(f"preflight: holding {hold:.0f}s before exit {NODE_LOCAL}, so that this node is marked first")
+        say(f"{who}: holding {hold:.0f}s before exit {NODE_LOCAL}, so that this node is marked first")
         time.sleep(hold)  # a bounded wait for an outside actor (the watchdog), not synchronization
 
 

@@ -31,6 +31,7 @@ the state (_leave.py). Only a frozen node, or one whose host vanished, costs the
   outage_timeout=360   how long a running agent waits for an etcd that answered it before (s)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
   warm_start=1         workers start as forks of a warm process that imported torch once (0: cold; warm/)
+  crash_limit=10 crash_window=3600   this node's own worker failures it survives within the window (_budget.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
   user=NAME  password_file=PATH  etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $..._PASSWORD_FILE); password=
   secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
