@@ -36,6 +36,7 @@ AGENT_DIR_ENV = "ELASTIC_MNIST_AGENT_DIR"
 CONFIG_ERROR = "config-error"
 ROUND_OVER = "round-over"  # a worker's round ended for a membership change: restart it, count nothing
 JOB_DONE = "job-done"  # a worker of this node trained the job to its end
+STOPPING = "stopping"  # the agent is stopping its workers for a new round: a worker ending its round just exits
 ROUND_OVER_WAIT_S = 30.0
 """How long a worker waits for its agent to take ROUND_OVER (the agent looks every --monitor-interval, 0.1 s)
 before it exits anyway, as a failure torchrun counts: an agent that does not look is not ours to wait for."""
@@ -125,6 +126,17 @@ def job_done(where: str) -> bool:
     return bool(where) and os.path.isfile(os.path.join(where, JOB_DONE))
 
 
+def mark_stopping(where: str, stopping: bool) -> None:
+    """The agent's side: set while it stops its workers for the next round (from its decision to the next
+    rendezvous), so that a worker whose round ends meanwhile does not wait for a note nobody will take."""
+    path = os.path.join(where, STOPPING) if where else ""
+    with suppress(OSError):
+        if stopping:
+            files.atomic_write(path, "", 0o600)
+        else:
+            os.unlink(path)
+
+
 def take_round_over(where: str) -> bool:
     """The agent's side: True once for each note a worker left (removing it lets that worker exit)."""
     try:
@@ -142,14 +154,15 @@ def end_process(code: int, environ=os.environ) -> NoReturn:
         sys.stderr.flush()
     if code == exit_codes.RESTART and _started_by_agent(environ):
         path = _note(ROUND_OVER, environ)
-        if path:
+        stopping = os.path.join(os.path.dirname(path), STOPPING)
+        if path and not os.path.exists(stopping):
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the agent's stop ends us at once
                     signal.signal(sig, signal.SIG_DFL)
             with suppress(OSError):
                 files.atomic_write(path, "", 0o600)
                 deadline = time.monotonic() + ROUND_OVER_WAIT_S
-                while os.path.exists(path) and time.monotonic() < deadline:
+                while os.path.exists(path) and not os.path.exists(stopping) and time.monotonic() < deadline:
                     time.sleep(_POLL_S)  # a file the agent removes: no descriptor signals that
     os._exit(code)
 

@@ -135,3 +135,15 @@ def test_any_other_end_leaves_no_note(tmp_path):
     for code in (exit_codes.OK, exit_codes.PERMANENT, exit_codes.SAVE_FAILED):
         assert _child_ending(tmp_path, code).wait(timeout=30) == code
     assert not (tmp_path / agent_link.ROUND_OVER).exists()
+
+
+def test_a_worker_ending_while_its_agent_stops_it_does_not_wait(tmp_path):
+    """The agent decided on a new round for another reason (a peer's loss it saw itself): it is about to stop
+    its workers and will take no note, so a round that ends now ends the process at once."""
+    budget, handler, _, _ = _budget(tmp_path)
+    handler.waiting = 1
+    assert budget.num_nodes_waiting() == 1
+    assert _child_ending(tmp_path, exit_codes.RESTART).wait(timeout=10) == exit_codes.RESTART
+    assert not (tmp_path / agent_link.ROUND_OVER).exists()
+    budget.next_rendezvous()
+    assert not (tmp_path / agent_link.STOPPING).exists(), "the next round's workers wait for their agent again"

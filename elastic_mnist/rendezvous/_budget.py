@@ -48,6 +48,8 @@ class RestartBudget:
             print(f"elastic-mnist {BACKEND_NAME}: this node's workers ended their round for a membership change; "
                   "restarting them into the next round (no restart is counted)", file=sys.stderr, flush=True)
             waiting = 1
+        if waiting:
+            agent_link.mark_stopping(self._dir, True)  # a worker whose round ends now need not wait for us
         self._free = self._free or waiting > 0
         return waiting
 
@@ -56,6 +58,7 @@ class RestartBudget:
             self._crashed()  # a config error is the job's, not this node's: _verdict.py ends the job
         self._joined, self._free = True, False
         agent_link.take_round_over(self._dir)  # a note from a worker stopped before its agent took it
+        agent_link.mark_stopping(self._dir, False)
         return self._next_rendezvous()
 
     def _crashed(self) -> None:

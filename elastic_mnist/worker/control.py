@@ -14,6 +14,10 @@ to learn what a heartbeat shows in seconds. Two gloo groups (CPU, TCP) exist bes
   agent that accepts but does not answer (frozen), on two probes in a row, is lost at once, well within
   --peer-timeout. A slow peer on a loaded host still answers (its kernel and its agent's beacon thread
   do), so load alone never loses one; without beacons (other backends) the timeout alone decides.
+- the alarm: a rank that finds a peer lost says so under this round's key in the round's store, and every
+  rank polls that key (ALARM_POLL_S). A collective only fails where it touches the dead peer: in a ring of 4
+  or more, the ranks two hops away would wait on a live neighbour that gave the round up until their own
+  timeout. The store lives in rank 0's process, so its failure is rank 0's loss (unless the round is ending).
 Leaving is agreed through the heartbeat itself (a `leaving` flag), so a rank that finishes first never
 makes the others believe it died.
 """
@@ -35,6 +39,8 @@ from elastic_mnist.worker.stop import StopRequest
 
 SUSPECT_S = 0.25  # a heartbeat takes milliseconds: one in flight this long has the peers' hosts probed
 PROBE_S = 0.3  # each probe's timeout; two bad ones in a row (two SYNs: one lost packet is no fault)
+ALARM_POLL_S = 0.05  # how often each rank looks for another's loss notice (one small store request)
+STORE_GRACE_S = 0.1  # a store that fails this long after a stop was agreed is rank 0 ending its round, not lost
 
 
 class ControlPlane:
@@ -50,11 +56,13 @@ class ControlPlane:
         self._in_flight_since: float | None = None  # the beat on the wire, if any
         self._lost_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._agree_group = self._watch_group = None
+        self._ending = threading.Event()  # a stop was agreed: the round's store may go with rank 0's teardown
+        self._agree_group = self._watch_group = self._alarm = None
         if world_size > 1:
             prefix = f"elastic-mnist/control/{_round_token()}"
             self._agree_group = _gloo_group(f"{prefix}/agree", config.collective_timeout)
             self._watch_group = _gloo_group(f"{prefix}/watch", config.peer_timeout)
+            self._alarm = dist.PrefixStore(f"{prefix}/alarm", compat.default_store())
 
     def agree(self, values: list[float]) -> list[float]:
         """Sum over ranks, on the agreement group (a lone process agrees with itself)."""
@@ -72,6 +80,37 @@ class ControlPlane:
         self._thread.start()
         if self._beacons:
             threading.Thread(target=self._probe_late, args=(on_peer_lost,), daemon=True, name="peer-probe").start()
+        threading.Thread(target=self._listen, args=(on_peer_lost,), daemon=True, name="peer-alarm").start()
+
+    def alarm(self) -> None:
+        """Tell every rank of this round that a peer is lost (best effort, off this thread: the store may be
+        the lost rank's)."""
+        if self._alarm is not None:
+            threading.Thread(target=self._ring, daemon=True, name="peer-alarm-ring").start()
+
+    def ending(self) -> None:
+        """A stop was agreed: the round ends together, and the store with rank 0's teardown."""
+        self._ending.set()
+
+    def _ring(self) -> None:
+        try:  # a read first: on a store gone with rank 0 it fails quietly, where a write logs a C++ trace
+            if not self._alarm.check([ALARM_KEY]):
+                self._alarm.set(ALARM_KEY, b"1")
+        except Exception:  # noqa: BLE001 - the store went with rank 0: every rank sees that itself
+            pass
+
+    def _listen(self, on_peer_lost: Callable[[str], None]) -> None:
+        while not (self.peer_lost.is_set() or self._leaving.wait(ALARM_POLL_S)):
+            try:
+                rung = self._alarm.check([ALARM_KEY])
+            except Exception as e:  # noqa: BLE001 - the store's host is rank 0's process
+                if self._ending.wait(STORE_GRACE_S) or self._leaving.is_set():
+                    return
+                self._lose(f"the round's store failed (rank 0 lost): {str(e).splitlines()[0][:160]}", on_peer_lost)
+                return
+            if rung:
+                self._lose("another rank of this round lost a peer", on_peer_lost)
+                return
 
     def _beat(self, on_peer_lost: Callable[[str], None]) -> None:
         beat = torch.zeros(1)
@@ -97,6 +136,7 @@ class ControlPlane:
                 return
             self.lost_at, self.lost_reason = time.time(), reason
             self.peer_lost.set()
+        self.alarm()
         on_peer_lost(reason)
 
     def _probe_late(self, on_peer_lost: Callable[[str], None]) -> None:
@@ -133,6 +173,9 @@ class ControlPlane:
     def confirms_peer_loss(self, timeout_s: float) -> bool:
         """An error from a collective is a peer's loss when the heartbeat says so (no message matching)."""
         return self.peer_lost.wait(timeout_s)
+
+
+ALARM_KEY = "lost"
 
 
 def _round_token() -> int:

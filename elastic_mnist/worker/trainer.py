@@ -93,6 +93,8 @@ class Trainer:
         local = [float(loss_sum), float(self.stop.requested), float(self.superseded)]  # waits for the device
         loss, stop, superseded = self.control.agree(local)
         self.superseded = superseded > 0
+        if stop > 0 or self.superseded:
+            self.control.ending()
         self.checkpoints.confirm_step()  # every rank finished this step: a state safe to save on failure
         return loss / self.config.global_batch_size, stop > 0 or self.superseded
 
@@ -195,6 +197,8 @@ class Trainer:
     def handle_failure(self, error: BaseException) -> str | None:
         """Main thread, a collective raised: if a peer is gone, save the last completed step and say
         where it went; None when the error is not a peer's loss (a bug: the caller re-raises)."""
+        if isinstance(error, dist.DistError):
+            self.control.alarm()  # ranks whose collectives do not touch the lost peer learn it now
         return self.failure.main_failed(error)
 
     def _on_peer_lost(self, reason: str) -> None:
@@ -219,6 +223,7 @@ class Trainer:
             self.evaluate()
         if not (self.in_place and self.stopped_early):  # kept in memory: saved at the node's end, if ever
             self.checkpoints.finish(superseded=self.superseded)
+        self.control.ending()
         if self.world_size > 1:
             self.control.agree([0.0])  # nobody restarts and reads before rank 0's final write is durable
         self.control.leave()
