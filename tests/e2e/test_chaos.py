@@ -25,9 +25,9 @@ BATCH = 64  # 2000 samples / 64 = 31 steps per epoch on the small data set
 
 def launch_local(data: str, run_dir, chaos: str, *extra: str, nodes: int = 2, steps: int = 90,
               timeout: float = 240, backend: str = "etcd-v3",
-              pace: float = 0.05) -> tuple[subprocess.CompletedProcess, dict]:
+              pace: float = 0.05, max_nodes: int = 3) -> tuple[subprocess.CompletedProcess, dict]:
     """The launcher's process and report, however the run ended."""
-    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", str(nodes), "--max-nodes", "3",
+    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", str(nodes), "--max-nodes", str(max_nodes),
            "--rdzv-backend", backend,
            "--run-dir", str(run_dir), "--chaos", chaos, "--timeout", str(timeout - 30),
            "--data-dir", data, "--max-steps", str(steps), "--global-batch-size", str(BATCH),
