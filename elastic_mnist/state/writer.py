@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from elastic_mnist.state.format import (
     CheckpointError,
+    TooLargeHere,
     decode,
     encode,
     list_checkpoints,
@@ -40,6 +41,7 @@ class Verifier:
         self.key, self.warn = key, warn
         self._known: dict[tuple, str | None] = {}
         self._foreign: set[str] = set()
+        self._too_large: set[str] = set()
 
     def problem(self, path: str) -> str | None:
         """None when path verifies, else why not."""
@@ -49,13 +51,19 @@ class Verifier:
             if ident not in self._known:
                 decode(read_checkpoint(path), path, self.key)  # bounded: a FIFO or huge file is refused unread
                 self._known[ident] = None
+            self._too_large.discard(path)
             return self._known[ident]
+        except TooLargeHere as e:  # not cached: the cap may be higher another time
+            self._too_large.add(path)
+            return str(e)
         except (CheckpointError, OSError) as e:
             return str(e)
 
     def set_aside(self, path: str, problem: str) -> bool:
         """Move a file of ours that does not verify into corrupt/ (kept for whoever wants to look at it);
-        one this runtime did not write stays where it is (False)."""
+        one this runtime did not write, or one only too large to read here now, stays where it is (False)."""
+        if path in self._too_large:
+            return False  # the read-time warning named it; a size is no sign of damage
         if not written_here(path):
             if path not in self._foreign:
                 self._foreign.add(path)
