@@ -19,6 +19,7 @@ FLOORS = [
     # its file through files.read_regular
     {"config", "distributed", "metrics", "torchrun_settings", "warm", "agent_link", "job_secret"},
     {"runlog", "procs", "files", "netprobe", "_torch_compat"},
+    {"volume"},  # a full or read-only log or checkpoint volume: what the journal and the writers share
     {"_compat_checks"},  # how _torch_compat checks torch (public names only)
     {"errors", "exit_codes"},
 ]

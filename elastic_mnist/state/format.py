@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from elastic_mnist import files
+from elastic_mnist import files, volume
 from elastic_mnist.errors import UserError
 from elastic_mnist.state import publish
 
@@ -253,7 +253,8 @@ def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
 
 
 def ensure_writable(directory: str) -> str:
-    """Create the directory and exercise the real publish step there; the method it uses.
+    """Create the directory and exercise the real publish step there; the method it uses. A full,
+    over-quota or read-only volume raises its OSError; anything else that fails is a UserError.
 
     A probe file is published exactly as a checkpoint is (no-clobber), a second publish under the
     same name must be refused, and both are removed: a filesystem that cannot do this fails here,
@@ -271,6 +272,8 @@ def ensure_writable(directory: str) -> str:
             if os.path.lexists(probe):
                 os.unlink(probe)
     except OSError as e:
+        if volume.room_error(e) is not None:
+            raise  # full or read-only: the caller trains on (elastic_mnist/volume.py)
         raise UserError(f"checkpoint dir {directory} is not writable ({e.strerror or e}); fix its "
                         "permissions or storage class, or pass another --checkpoint-dir") from None
     return publish.method_of(directory)

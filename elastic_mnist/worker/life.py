@@ -26,7 +26,6 @@ line on stderr and a "fallback" record in the journal.
 from __future__ import annotations
 
 import io
-import os
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -166,8 +165,7 @@ class Life:
             self.proc.held = trainer.checkpoints.held()
             asked = trainer.stop.requested
             return Ending(exit_codes.OK if asked else exit_codes.RESTART, goes_on=not trainer.stop.orphaned)
-        write_final(self.config, trainer, summary)
-        return Ending(exit_codes.OK, goes_on=False)
+        return Ending(write_final(self.config, trainer, summary), goes_on=False)
 
     def _round_end(self, ending: Ending) -> str:
         """The round's groups go; its stand-in exits with the round's code; the stop that ended it is spent.
@@ -232,19 +230,28 @@ def pay_startup_cost(seconds: float, stop: StopRequest) -> None:
         time.sleep(min(left, 0.1))
 
 
-def write_final(config, trainer: Trainer, summary: dict) -> None:
-    trainer.checkpoints.mark_finished(summary)
+def write_final(config, trainer: Trainer, summary: dict) -> int:
+    """The finished run's records and outputs; the exit code. SAVE_FAILED when a final state is not in a
+    checkpoint (a full or read-only checkpoint volume): it stays in the in-memory snapshots, which are kept,
+    and the restart (torchrun's, or the job's again under its run id) writes it once the volume has room."""
+    manager, step = trainer.checkpoints, summary["global_step"]
+    manager.mark_finished(summary, unsaved=bool(manager.unsaved))
+    if manager.unsaved:
+        trainer.metrics.warn(f"the final state (step {step}) is not in {config.checkpoint_dir}, which cannot be "
+                             f"written: {manager.unsaved}; exiting {exit_codes.SAVE_FAILED}: a restart with the same "
+                             "run id resumes it there and writes it once the volume has room")
     if trainer.rank != 0:
-        return
-    trainer.metrics.mark_outputs()
+        return exit_codes.SAVE_FAILED if manager.unsaved else exit_codes.OK
     buf = io.BytesIO()
     torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
-    checkpoint.write_durable(os.path.join(config.log_dir, "model.pt"), buf.getvalue(), replace=True)
-    trainer.metrics.write_summary(summary)
-    trainer.metrics.event("done", f"[done] step {summary['global_step']} test_accuracy "
-                          f"{summary['test_accuracy']:.4f} samples/s {summary['samples_per_s']:.0f}; summary in "
-                          f"{config.log_dir}/summary.json", step=summary["global_step"],
+    where = f"in {config.log_dir}/summary.json"
+    if not trainer.metrics.write_outputs(buf.getvalue(), summary):
+        where = f"not written ({config.log_dir} cannot be written); the trained state is in " + \
+            ("the in-memory snapshot" if manager.unsaved else checkpoint.path_for(config.checkpoint_dir, step))
+    trainer.metrics.event("done", f"[done] step {step} test_accuracy {summary['test_accuracy']:.4f} samples/s "
+                          f"{summary['samples_per_s']:.0f}; summary {where}", step=step,
                           test_accuracy=summary["test_accuracy"])
+    return exit_codes.SAVE_FAILED if manager.unsaved else exit_codes.OK
 
 
 def _first(e: BaseException) -> str:

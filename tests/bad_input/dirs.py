@@ -44,9 +44,9 @@ def _foreign_checkpoint(place: Path) -> Path:
 
 
 def _refuse_checkpoints(target: Path, ctx: Ctx) -> Outcome:
-    from elastic_mnist.state.manager import _refuse_foreign
+    from elastic_mnist.state.writer import refuse_foreign
 
-    return worker_exit(lambda: _refuse_foreign(str(target.parent)))
+    return worker_exit(lambda: refuse_foreign(str(target.parent)))
 
 
 def _foreign_outputs(place: Path) -> Path:
