@@ -26,7 +26,9 @@ RESUMED = "resumed ("
 
 
 def _lines(capsys, text: str) -> list[str]:
-    return [line for line in capsys.readouterr().err.splitlines() if text in line]
+    """The printed lines holding text (a writer built without a Metrics warns on stdout)."""
+    printed = capsys.readouterr()
+    return [line for line in (printed.out + printed.err).splitlines() if text in line]
 
 
 def test_a_full_journal_skips_whole_lines_warns_once_and_resumes(tmp_path, capsys):
@@ -129,3 +131,31 @@ def test_a_full_log_volume_at_the_end_loses_nothing(tmp_path, capsys):
     assert "summary not written" in out.out and f"the trained state is in {tmp_path / 'ckpt'}" in out.out, out.out
     assert "model.pt" not in left and "summary.json" not in left
     assert checkpoint.load_latest(str(tmp_path / "ckpt"))[0]["step"] == 20, "the trained state is in the checkpoint"
+
+
+def test_a_read_only_checkpoint_volume_skips_saves_and_resumes_when_writable(tmp_path, capsys):
+    with tiny_tmpfs(tmp_path / "vol", 1024) as mount:
+        writer = CheckpointWriter(str(mount / "ckpt"), keep=3)
+        writer.save({"step": 1, "x": torch.zeros(4)}, 1, block=True)
+        remount(mount, read_only=True)
+        for step in (2, 3):
+            writer.save({"step": step, "x": torch.zeros(4)}, step, block=True)
+        warned = _lines(capsys, FULL)
+        remount(mount, read_only=False)
+        writer.save({"step": 4, "x": torch.zeros(4)}, 4, block=True)
+        steps = [s for s, _ in checkpoint.list_checkpoints(str(mount / "ckpt"))]
+    assert len(warned) == 1 and "Read-only file system (EROFS)" in warned[0]
+    assert steps == [4, 1] and writer.held_step == 4 and len(_lines(capsys, RESUMED)) == 1
+
+
+def test_a_failure_save_the_checkpoint_volume_cannot_take_goes_into_a_snapshot(tmp_path, capsys):
+    with tiny_tmpfs(tmp_path / "vol", 8 * 1024) as mount:
+        os.makedirs(mount / "ckpt")
+        _, trainer = _launched(tmp_path, mount, max_steps=12)
+        trainer.train()
+        fill(mount)
+        trainer.progress.step += 1  # a step past the last checkpoint, as when a peer dies mid-run
+        where = trainer.checkpoints.save_on_failure()
+    kept = checkpoint.load_latest(os.path.dirname(where.split(",")[0]))
+    assert where.endswith("an in-memory snapshot: " + str(mount / "ckpt") + " cannot be written"), where
+    assert kept[0]["step"] == 13 and capsys.readouterr().err.count(FULL) == 1
