@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bad_input.frame import Ctx, Outcome, Row, Setup, warned
+from bad_input.frame import Attempt, Ctx, Outcome, Row, Setup, warned
 
 GIB = 1 << 30
 
@@ -35,10 +35,12 @@ def _cgroup(where: Path, current: int, cache: int) -> str:
     return str(where)
 
 
-def _in_pod(cache: int) -> callable:
+def _in_pod(cache: int) -> Attempt:
     """This process in a pod at 64 KiB under its limit, `cache` of its usage page cache: it restores, then
     saves step 10 (the save reads its file back and prunes the directory)."""
     def attempt(target: Path, ctx: Ctx) -> Outcome:
+        import torch
+
         from elastic_mnist.state import format as checkpoint
         from elastic_mnist.state.writer import CORRUPT_DIR, CheckpointWriter
 
@@ -49,7 +51,7 @@ def _in_pod(cache: int) -> callable:
         def restore_and_save(warn):
             found = checkpoint.load_latest(str(target.parent), warn)
             writer = CheckpointWriter(str(target.parent), keep=3, warn=warn)
-            writer.save({"step": 10, "weights": __import__("torch").ones(1 << 16)}, 10, block=True)
+            writer.save({"step": 10, "weights": torch.ones(1 << 16)}, 10, block=True)
             return found, writer.last_path, os.path.isdir(target.parent / CORRUPT_DIR)
         outcome = warned(ctx, restore_and_save,
                          lambda r: r[1].endswith("ckpt-000000010.pt") and not r[2]
