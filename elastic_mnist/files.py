@@ -193,3 +193,16 @@ def open_append(path: str | os.PathLike, what: str, fix: str, mode: int = 0o644)
     fd, _ = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, what, fix, mode)
     os.set_blocking(fd, True)  # O_NONBLOCK only guarded the open; whoever gets the fd writes normally
     return fd
+
+
+def file_in_the_way(path: str | os.PathLike) -> str:
+    """The path itself or its first existing ancestor, when that is not a directory; "" otherwise: a
+    directory that can never be created there."""
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.lexists(probe):
+            return "" if os.path.isdir(probe) else probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return ""
+        probe = parent

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
@@ -35,14 +35,19 @@ _ON_DEVICE = ("model", "optimizer")
 _LIVE_TEMP_S = 600.0
 
 
-def _refuse_foreign(directory: str) -> None:
-    """A checkpoint name held by another program's file would block the save of that step, and the runtime
-    moves or deletes only files it wrote: such a directory is refused at start."""
+def check_checkpoint_dir(config: TrainConfig) -> None:
+    """This node's --checkpoint-dir can take the saves of its writers: writable (else NodeLocalError: this node's
+    disk or mount), and no other program's file under a checkpoint name, which would block the save of that step
+    (the runtime moves or deletes only files it wrote). That file is this node's own with node-local storage,
+    every node's on a shared volume."""
+    directory = config.checkpoint_dir
+    checkpoint.ensure_writable(directory)
     foreign = checkpoint.foreign_files(directory)
     if foreign:
-        raise UserError(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
-                        f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
-                        "them: move them away, or pass another --checkpoint-dir")
+        error = NodeLocalError if config.checkpoint_storage == "local" else UserError
+        raise error(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
+                    f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
+                    "them: move them away, or pass another --checkpoint-dir")
 
 
 @dataclass(frozen=True)
@@ -118,13 +123,12 @@ class CheckpointManager:
         held = None if memory is None else state_sync.held(memory.step, memory.lineage, self._encode)
         try:
             if self.writes:
-                checkpoint.ensure_writable(config.checkpoint_dir)
-                _refuse_foreign(config.checkpoint_dir)
+                check_checkpoint_dir(config)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
                                          self.metrics.warn, self.key, held)
         except UserError as e:
-            error = str(e)
-        state_sync.agree_errors(error, env.world_size)
+            error = e
+        state_sync.agree_errors(error and str(error), env.world_size, isinstance(error, NodeLocalError))
         offered = fence.new_token() if env.rank == 0 else ""
         chosen, owner, sent_to, token = state_sync.agree_on_state(mine, env.rank, env.world_size, offered)
         if sent_to:
