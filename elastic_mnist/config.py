@@ -283,7 +283,8 @@ def flags_markdown(cls: type = TrainConfig) -> str:
         lines.append(f"| `{flag_name(f.name)}` | {shown} | {docs.get(f.name, '').replace('|', '/')} |")
     fp = ", ".join(f"`{flag_name(n)}`" for n in FINGERPRINT_FIELDS)
     lines += ["", f"The fingerprint stored in every checkpoint covers {fp} and the data set (size and label hash); "
-              "a checkpoint from another fingerprint is refused at resume. "
+              "a checkpoint from another fingerprint is refused at resume, and under the `etcd-v3` backend so is a "
+              "node whose fingerprint flags differ from those its job trains with (before it joins). "
               "Every other flag may change between restarts."]
     return "\n".join(lines) + "\n"
 

@@ -275,7 +275,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     os.environ[procs.AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
-    before_joining(agent_dir, settings, _joins_a_running_job(state))
+    before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)
     compat.quick_event_names()  # 0.8 s of a rendezvous's CPU on 2 cores: see _torch_compat
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)

@@ -1,6 +1,7 @@
 """One node's mistake ends that node only, on real torchrun agents and a real etcd: a node whose own checkpoint
-dir is unusable exits 69 (exit_codes.NODE_LOCAL) with its line; the running nodes train on past the step of
-the join and the job's rendezvous stays open.
+dir is unusable exits 69 (exit_codes.NODE_LOCAL) with its line, and a node started with training flags that
+differ from the job's is refused with one line naming them (exit 78); in both cases the running nodes train on
+past the step of the join and the job's rendezvous stays open.
 
     python -m pytest -q tests/e2e/test_one_node.py
 """
@@ -55,5 +56,17 @@ def test_a_node_whose_checkpoint_dir_is_a_file_ends_alone(tmp_path, small_mnist,
         log = _newcomer_ends_alone(job, 2, exit_codes.NODE_LOCAL, "not-a-dir is a file, not a directory")
         assert "this node ends, the job goes on without it" in log, log[-3000:]
         assert (tmp_path / "not-a-dir").read_text().startswith("a file where"), "the file is as it was"
+    finally:
+        job.kill_all()
+
+
+def test_a_node_with_another_lr_is_refused_and_the_job_trains_on(tmp_path, small_mnist, etcd_server_v3only):
+    job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", STEPS, "--epochs=100", nodes=2,
+              min_nodes=1)
+    job.node_args[1] = ["--lr=0.5"]
+    try:
+        job.start_node(0)
+        log = _newcomer_ends_alone(job, 1, exit_codes.PERMANENT, "--lr 0.5 (the job: 0.001)")
+        assert "elastic-mnist train" not in log, "no worker of the refused node started"
     finally:
         job.kill_all()
