@@ -8,6 +8,8 @@ are named, the first node's fingerprint in the job's store is the job's, and a n
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from etcd_fixtures import rdzv_params
 
 from elastic_mnist.config import parse_args
@@ -48,5 +50,22 @@ def test_the_first_node_defines_the_job_and_another_configuration_is_refused(etc
         assert job_flags.refusal(store, first, "job-a") == "", "a refused node changed nothing"
         store.set(job_flags.FINGERPRINT_KEY, "not json")
         assert "is not one this runtime wrote" in job_flags.refusal(store, first, "job-a")
+    finally:
+        backend.client.close()
+
+
+def test_every_rendezvous_of_the_job_writes_its_configuration_again(etcd_server_v3only):
+    """The key carries its last writer's lease: each agent of the job writes it again before it rendezvous, so
+    it outlives the node that defined it (here: gone, as when that node's lease expired)."""
+    backend, store = create_backend(rdzv_params(etcd_server_v3only.endpoint, run_id="job-b"))
+    try:
+        mine, joined = parse_args([]).fingerprint(), []
+        handler = SimpleNamespace(next_rendezvous=lambda: joined.append(1) or "round")
+        job_flags.keep_the_job_flags(handler, store, mine)
+        assert job_flags.refusal(store, mine, "job-b") == ""
+        store.delete_key(job_flags.FINGERPRINT_KEY)
+        assert handler.next_rendezvous() == "round" and joined == [1]
+        assert job_flags.refusal(store, parse_args(["--seed", "7"]).fingerprint(), "job-b").startswith(
+            "this node's flags differ from those job job-b trains with: --seed 7 (the job: 0)")
     finally:
         backend.client.close()

@@ -21,12 +21,14 @@ from elastic_mnist.warm import agent as warm_agent
 from elastic_mnist.warm import plan as warm_plan
 
 
-def before_joining(agent_dir: str, settings: EtcdV3Settings, joining: bool, store: Store, run_id: str) -> None:
+def before_joining(agent_dir: str, settings: EtcdV3Settings, joining: bool, store: Store,
+                   run_id: str) -> dict | None:
     """Before this node joins: its workers' flags are checked (a bad one ends this agent now, with the worker's
     line, exit 78), and so is their fingerprint against the job's (flags that differ from the job's end this
     agent alone, exit 78: _flags.py), and with warm starts its warm process starts. Joining a running job it
     imports torch and, with in-place rounds, builds each worker before it joins, so the job trains on meanwhile;
-    a job (re)starting from no node does both while its round forms."""
+    a job (re)starting from no node does both while its round forms. Returns the fingerprint it checked (None:
+    not this package's worker)."""
     plan = warm_plan.from_torchrun()
     line = warm_plan.check_flags(plan)
     if line:
@@ -48,3 +50,4 @@ def before_joining(agent_dir: str, settings: EtcdV3Settings, joining: bool, stor
             if line:
                 print(f"elastic-mnist {BACKEND_NAME}: error: {line}{alone}", file=sys.stderr, flush=True)
                 raise SystemExit(code)
+    return mine

@@ -10,21 +10,25 @@ incompatible). Before its agent joins, each node compares its own, resolved from
 the job's: the first node's, written once under FINGERPRINT_KEY in the job's store (an atomic compare-and-set:
 of nodes that start together, exactly one defines it). Nothing has joined yet, so the refused node changes no
 round and closes nothing; it ends alone (a configuration error of its own command). A rendezvous id keeps its
-configuration while its keys live (the store's lease): another configuration is another job, with a new
---rdzv-id.
+configuration while its keys live: the key carries the lease of its last writer (_lease.py), and every agent of
+the job writes it again at each of its rendezvous (keep_the_job_flags), so it lives while the job does and
+expires with it. Another configuration is another job, with a new --rdzv-id.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from torch.distributed import Store
 
+from elastic_mnist._torch_compat import DynamicRendezvousHandler
 from elastic_mnist.config import flag_name, parse_args
 from elastic_mnist.errors import UserError
 from elastic_mnist.warm.plan import TRAIN_MODULE, WorkerPlan
 
 FINGERPRINT_KEY = "elastic-mnist/fingerprint"
+log = logging.getLogger(__name__)
 
 
 def of_plan(plan: WorkerPlan | None) -> dict | None:
@@ -64,3 +68,19 @@ def refusal(store: Store, mine: dict, run_id: str) -> str:
     return (f"this node's flags differ from those job {run_id} trains with: {'; '.join(differing(mine, job))}; "
             "start this node with the job's flags, or another configuration as a new job with a new --rdzv-id "
             "(the job goes on without this node)")
+
+
+def keep_the_job_flags(handler: DynamicRendezvousHandler, store: Store, mine: dict) -> None:
+    """Before each rendezvous of this agent (its fingerprint is the job's), write the job's key again: a put
+    attaches the key to this live agent's lease, so the key outlives the node that first wrote it."""
+    ours, join = json.dumps(mine, sort_keys=True), handler.next_rendezvous
+
+    def next_rendezvous():
+        try:
+            if store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace") == ours:
+                store.compare_set(FINGERPRINT_KEY, ours, ours)
+        except Exception as exc:  # noqa: BLE001 - keeping the key is best effort; the rendezvous says what is wrong
+            log.info("could not write the job's configuration again (%s)", exc)
+        return join()
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]

@@ -65,6 +65,7 @@ from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._early import before_joining
+from elastic_mnist.rendezvous._flags import keep_the_job_flags
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
@@ -275,13 +276,15 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     os.environ[procs.AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
-    before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)
+    flags = before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)
     compat.quick_event_names()  # 0.8 s of a rendezvous's CPU on 2 cores: see _torch_compat
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.view is not None:  # always, as create_backend builds it
         restart_when_the_round_shrinks(handler, backend.view, store)
         end_the_job_on_config_errors(handler, backend.view, store, params.run_id, agent_dir, backend.get_state)
+    if flags is not None:
+        keep_the_job_flags(handler, store, flags)
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(compat.handler_node(handler)))
