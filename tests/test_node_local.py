@@ -32,6 +32,20 @@ def test_an_unusable_checkpoint_dir_is_this_nodes_problem(tmp_path):
     assert NodeLocal is NodeLocalError, "preflight and the worker call it by one name"
 
 
+def test_a_node_without_the_gpus_for_nccl_is_this_nodes_problem(monkeypatch):
+    import torch
+
+    from elastic_mnist import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NodeLocalError, match="none is visible on this node"):
+        distributed.pick_backend("nccl", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(NodeLocalError, match=r"local rank 1 has no CUDA GPU on this node \(1 visible\)"):
+        distributed.pick_device("nccl", 1, 2)
+
+
 def test_another_programs_checkpoint_is_the_jobs_on_shared_storage_and_the_nodes_on_local(tmp_path):
     (tmp_path / "ckpt-000000010.pt").write_bytes(b"not ours\n")
     for storage, kind in (("shared", UserError), ("local", NodeLocalError)):

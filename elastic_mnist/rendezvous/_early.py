@@ -16,6 +16,7 @@ from torch.distributed import Store
 from elastic_mnist import agent_link, exit_codes
 from elastic_mnist.rendezvous import _flags as job_flags
 from elastic_mnist.rendezvous._settings import EtcdV3Settings
+from elastic_mnist.rendezvous._verdict import ALONE
 from elastic_mnist.rendezvous.conf import BACKEND_NAME
 from elastic_mnist.warm import agent as warm_agent
 from elastic_mnist.warm import plan as warm_plan
@@ -44,8 +45,8 @@ def before_joining(agent_dir: str, settings: EtcdV3Settings, joining: bool, stor
         warm_agent.start_for_workers(agent_dir, os.environ, settings.in_place, plan, wait_ready=joining)
         # A worker built early found a configuration error, or a problem of this node only (not joined: the job
         # never saw this node, nothing to close or leave).
-        for found, code, alone in ((agent_link.node_local, exit_codes.NODE_LOCAL, "; this node ends, the job goes "
-                                    "on without it"), (agent_link.config_error, exit_codes.PERMANENT, "")):
+        for found, code, alone in ((agent_link.node_local, exit_codes.NODE_LOCAL, f"; {ALONE}"),
+                                   (agent_link.config_error, exit_codes.PERMANENT, "")):
             line = found(agent_dir)
             if line:
                 print(f"elastic-mnist {BACKEND_NAME}: error: {line}{alone}", file=sys.stderr, flush=True)

@@ -27,6 +27,8 @@ from elastic_mnist.rendezvous._closed import CONFIG_ERROR_KEY, exit_if_closed
 from elastic_mnist.rendezvous._prompt import RoundView
 from elastic_mnist.rendezvous.conf import BACKEND_NAME
 
+ALONE = "this node ends, the job goes on without it"  # after the line of a problem of this node only
+
 
 class Verdict:
     def __init__(self, handler: DynamicRendezvousHandler, view: RoundView, store: Store, run_id: str,
@@ -61,8 +63,7 @@ def end_this_node(handler: DynamicRendezvousHandler, line: str, code: int) -> No
     it, for every node) when its agent ends by anything but a signal, so this handler's shutdown is made a no-op
     first. The node leaves the rendezvous at the process's exit (_leave.py), as a preempted one does."""
     handler.shutdown = lambda: True  # type: ignore[method-assign]
-    print(f"elastic-mnist {BACKEND_NAME}: error: {line}; this node ends, the job goes on without it",
-          file=sys.stderr, flush=True)
+    print(f"elastic-mnist {BACKEND_NAME}: error: {line}; {ALONE}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
