@@ -6,7 +6,9 @@ private directory of its own (0700) for the warm process's socket and for a work
 A worker that finds a configuration error (a bad flag, missing data, a checkpoint of another model) writes
 the one line it printed into that directory and exits 78. The agent reads it before it would rendezvous
 again, closes the job's rendezvous with that line, and every agent of the job ends with it (exit 78)
-instead of restarting workers that fail the same way (rendezvous/_verdict.py). Standard library only.
+instead of restarting workers that fail the same way (rendezvous/_verdict.py). A problem of its node only (its
+own checkpoint dir unusable: NodeLocalError) goes under another name, and exit 69: the agent leaves the
+rendezvous and ends this node alone, the job trains on. Standard library only.
 """
 
 from __future__ import annotations
@@ -67,16 +69,24 @@ def directory(environ=os.environ) -> str:
 
 def report_config_error(line: str, environ=os.environ) -> bool:
     """Hand the agent the configuration error this worker exits with; False without such an agent."""
+    return _report(CONFIG_ERROR, line, environ)
+
+
+def _report(name: str, line: str, environ) -> bool:
     where = directory(environ)
     if not where or not os.path.isdir(where):
         return False
-    files.atomic_write(os.path.join(where, CONFIG_ERROR), line[:_MAX_LINE] + "\n", 0o600)
+    files.atomic_write(os.path.join(where, name), line[:_MAX_LINE] + "\n", 0o600)
     return True
 
 
 def config_error(where: str) -> str | None:
     """The line a worker of this agent reported, if any."""
-    path = os.path.join(where, CONFIG_ERROR)
+    return _reported(where, CONFIG_ERROR)
+
+
+def _reported(where: str, name: str) -> str | None:
+    path = os.path.join(where, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -87,3 +97,17 @@ def config_error(where: str) -> str | None:
         return os.read(fd, _MAX_LINE + 1).decode(errors="replace").strip() or None
     finally:
         os.close(fd)
+
+
+NODE_LOCAL = "node-local"
+
+
+def report_node_local(line: str, environ=os.environ) -> bool:
+    """Hand the agent the problem of this node only (NodeLocalError) this worker exits 69 with: the agent
+    leaves the job's rendezvous and ends this node, the job goes on; False without such an agent."""
+    return _report(NODE_LOCAL, line, environ)
+
+
+def node_local(where: str) -> str | None:
+    """The node-local line a worker of this agent reported, if any."""
+    return _reported(where, NODE_LOCAL)

@@ -224,3 +224,16 @@ def open_ancestor(path: str) -> tuple[str, os.stat_result] | None:
         if st.st_uid not in (me, 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
             return parent, st
     return None
+
+
+def file_in_the_way(path: str | os.PathLike) -> str:
+    """The path itself or its first existing ancestor, when that is not a directory; "" otherwise: a
+    directory that can never be created there."""
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.lexists(probe):
+            return "" if os.path.isdir(probe) else probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return ""
+        probe = parent

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from elastic_mnist import files, volume
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.state import publish
 
 MAGIC = b"EMNISTCK"
@@ -271,11 +271,13 @@ def ensure_writable(directory: str) -> str:
         finally:
             if os.path.lexists(probe):
                 os.unlink(probe)
-    except OSError as e:
+    except OSError as e:  # this node's disk or mount (preflight says the same): it ends this node, not the job
         if volume.room_error(e) is not None:
             raise  # full or read-only: the caller trains on (elastic_mnist/volume.py)
-        raise UserError(f"checkpoint dir {directory} is not writable ({e.strerror or e}); fix its "
-                        "permissions or storage class, or pass another --checkpoint-dir") from None
+        blocker = files.file_in_the_way(directory)
+        why = f"{blocker} is a file, not a directory" if blocker else e.strerror or e
+        raise NodeLocalError(f"checkpoint dir {directory} is not writable on this node ({why}); fix its "
+                             "permissions or storage class, or pass another --checkpoint-dir") from None
     return publish.method_of(directory)
 
 

@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass
 
 from elastic_mnist import _torch_compat as compat
+from elastic_mnist import volume
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
@@ -32,6 +33,19 @@ from elastic_mnist.state.writer import CheckpointWriter, refuse_foreign
 _ON_DEVICE = ("model", "optimizer")
 # A temp file in the checkpoint dir younger than this may be another writer's save in progress.
 _LIVE_TEMP_S = 600.0
+
+
+def check_checkpoint_dir(config: TrainConfig) -> None:
+    """This node's --checkpoint-dir can take the saves of its writers: writable (else NodeLocalError: this node's
+    disk or mount; full or read-only is one warning later, training goes on: volume.py), and no other program's
+    file under a checkpoint name (refuse_foreign): this node's own with node-local storage, every node's on a
+    shared volume."""
+    try:
+        checkpoint.ensure_writable(config.checkpoint_dir)
+    except OSError as e:
+        if volume.room_error(e) is None:
+            raise
+    refuse_foreign(config.checkpoint_dir, NodeLocalError if config.checkpoint_storage == "local" else UserError)
 
 
 @dataclass(frozen=True)
@@ -111,12 +125,13 @@ class CheckpointManager:
         try:
             if self.writes:
                 self.writer.if_room(lambda: checkpoint.ensure_writable(config.checkpoint_dir))
-                refuse_foreign(config.checkpoint_dir)
+                refuse_foreign(config.checkpoint_dir,
+                               NodeLocalError if config.checkpoint_storage == "local" else UserError)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
                                          self.metrics.warn, self.key, held)
         except UserError as e:
-            error = str(e)
-        state_sync.agree_errors(error, env.world_size)
+            error = e
+        state_sync.agree_errors(error and str(error), env.world_size, isinstance(error, NodeLocalError))
         offered = fence.new_token() if env.rank == 0 else ""
         chosen, owner, sent_to, token = state_sync.agree_on_state(mine, env.rank, env.world_size, offered)
         if sent_to:

@@ -107,12 +107,13 @@ def prune(directory: str, keep: int, protect: str = "", verifier: Verifier | Non
     return removed
 
 
-def refuse_foreign(directory: str) -> None:
+def refuse_foreign(directory: str, error: type[UserError] = UserError) -> None:
     """A checkpoint name held by another program's file would block the save of that step, and the runtime
-    moves or deletes only files it wrote: such a directory is refused at start."""
+    moves or deletes only files it wrote: such a directory is refused at start (with `error`: a node-local
+    directory's problem ends that node only)."""
     foreign = foreign_files(directory)
     if foreign:
-        raise UserError(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
+        raise error(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
                         f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
                         "them: move them away, or pass another --checkpoint-dir")
 

@@ -202,8 +202,9 @@ class Server:
         code = os.waitstatus_to_exitcode(status)
         self._unwatch(worker.stand_in)
         if not worker.built:
-            if code == exit_codes.PERMANENT:  # a configuration error before its first round: its line was said,
-                self.verdict = code  # and every stand-in of this agent would meet it again: they exit with it
+            if code in (exit_codes.PERMANENT, exit_codes.NODE_LOCAL):  # a configuration error, or this node's own
+                self.verdict = code  # problem, before its first round: its line was said, and every stand-in of
+                # this agent would meet it again: they exit with it
             if worker.state == BUILDING and self.ready_fd >= 0:
                 self.mark(FAILED)
         if worker.handed is not None:  # it died while a stand-in was handed to it: a fresh fork takes that

@@ -15,6 +15,7 @@ How a round ends, and what its stand-in exits with:
   done .............................................. 0; the process ends
   a stop asked of this node (SIGTERM) ............... 0; kept: waits (its agent restarts, or ends it)
   a peer's stop, a newer group, no group formed ...... 75 (torchrun forms the next round); kept: waits
+  another node's own problem as the round starts ...... 75 (its node ends, exit 69); kept: waits
   a peer lost in a collective ........................ kept: 75, waits, from its last agreed step;
                                                       else: saved, 75, the process ends (worker/failure.py)
 A kept process ends when its node does (its agent ends: it saves what it holds where a restart finds it), when
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_mnist import distributed, exit_codes
+from elastic_mnist.errors import PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
@@ -128,7 +130,11 @@ class Life:
             config.check_world_size(env.world_size)
             control = ControlPlane(env.world_size, config, self.stop, env.peer_beacons)
             stack.callback(control.leave)
-            trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
+            try:
+                trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
+            except PeerNodeLocalError as e:  # nothing was loaded: the next round forms without that node
+                print(f"elastic-mnist train: {e}", file=sys.stderr, flush=True)
+                return Ending(exit_codes.RESTART, goes_on=self.session is not None)
             self.last = trainer.checkpoints
             return self._train(trainer)
 
