@@ -219,7 +219,7 @@ def test_only_the_agents_own_workers_are_served_on_a_private_socket(warm):
 
 def test_a_fork_that_cannot_take_the_stand_ins_settings_makes_it_start_cold(warm):
     request = _wire.request_from_here((), 0.0, settings.capture())
-    request["settings"]["affinity"] = [100_000]  # no such CPU
+    request["settings"]["affinity"] = [8191]  # no such CPU here
     assert "cannot take the worker's process settings over" in _ask(warm[_wire.ADDRESS_ENV], request)["refused"]
 
 

@@ -23,6 +23,32 @@ def capture() -> dict:
             "rlimits": {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS}}
 
 
+_MAX_CPU = 8192  # the largest CONFIG_NR_CPUS
+
+
+def check(settings: dict) -> str:
+    """"" when `settings` has the form `capture()` returns, else what is wrong with it (before any fork)."""
+    if set(settings) != {"affinity", "nice", "umask", "rlimits"}:
+        return f"'settings' holds {sorted(settings)}, not {sorted(['affinity', 'nice', 'umask', 'rlimits'])}"
+    cpus, nice, mask, limits = settings["affinity"], settings["nice"], settings["umask"], settings["rlimits"]
+    if not (isinstance(cpus, list) and cpus and all(_int(c, 0, _MAX_CPU - 1) for c in cpus)):
+        return f"'settings.affinity' is not a list of CPU numbers from 0 to {_MAX_CPU - 1}"
+    if not _int(nice, -20, 19):
+        return "'settings.nice' is not a niceness from -20 to 19"
+    if not _int(mask, 0, 0o777):
+        return "'settings.umask' is not a mode from 0 to 0o777"
+    if not isinstance(limits, dict) or not set(limits) <= set(LIMITS):
+        return "'settings.rlimits' is not a map of RLIMIT_ names"
+    for name, pair in limits.items():
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_int(x, -1, 2**63 - 1) for x in pair)):
+            return f"'settings.rlimits.{name}' is not a [soft, hard] pair of limits"
+    return ""
+
+
+def _int(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def apply(settings: dict) -> str:
     """Take `settings` over in this process: "" when all of them took, else the first that did not."""
     try:
