@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,27 +39,31 @@ STAND_IN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    """A warm server of this module (its agent is the test process); its stderr goes to a file."""
-    log = tmp_path_factory.mktemp("warm") / "server.log"
-    environ: dict[str, str] = {}
+    """A warm server of this module (its agent is the test process): its stderr goes to `log`, and `mods`
+    is on its import path (and its stand-ins')."""
+    here = tmp_path_factory.mktemp("warm")
+    log, mods, script = here / "server.log", here / "mods", here / "stand_in.py"
+    mods.mkdir()
+    script.write_text(STAND_IN)
+    path = f"{mods}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    environ: dict[str, str] = {"PYTHONPATH": path}
     saved, fd = os.dup(2), os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 2)  # the server inherits it; this process's own stderr is back at once
     try:
-        server = start_for_workers(agent_link.create(environ), environ)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PYTHONPATH", path)
+            server = start_for_workers(agent_link.create(environ), environ)
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(fd)
     assert server is not None
-    script = log.parent / "stand_in.py"
-    script.write_text(STAND_IN)
-    yield procs.child_env(**environ), log, script
+    yield SimpleNamespace(env=procs.child_env(**environ), log=log, mods=mods, script=script)
     server.end()
 
 
 def stand_in(warm, change: str = "", cwd=None) -> tuple[subprocess.CompletedProcess, dict]:
-    env, _, script = warm
-    done = subprocess.run([sys.executable, str(script), change], env=env, cwd=cwd, capture_output=True,
+    done = subprocess.run([sys.executable, str(warm.script), change], env=warm.env, cwd=cwd, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done, json.loads(done.stdout)
@@ -85,3 +91,45 @@ def test_a_malformed_request_is_refused_in_one_line_and_the_stand_in_starts_cold
 def test_a_well_formed_request_is_served_warm(warm):
     done, seen = stand_in(warm)
     assert seen["warm"] and done.stderr == ""
+
+
+DRIBBLER = textwrap.dedent("""
+    import socket, struct, sys, time
+    from elastic_mnist.warm import _wire
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(sys.argv[1])
+    body = b'{"argv": ["' + b"x" * 60 + b'"]}'
+    socket.send_fds(sock, [struct.pack("!I", len(body))], list(_wire.STDIO))
+    print(len(body), flush=True)
+    for i in range(len(body)):  # a byte a second: a request that takes a minute
+        sock.send(body[i:i + 1])
+        time.sleep(1)
+""")
+
+
+def test_a_client_that_dribbles_its_request_holds_no_other_stand_in(warm):
+    dribbler = subprocess.Popen([sys.executable, "-c", DRIBBLER, warm.env["ELASTIC_MNIST_WARM"]], env=warm.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        dribbles_s = int(dribbler.stdout.readline())  # its head is in, its body comes a byte a second
+        started = time.monotonic()
+        done, seen = stand_in(warm)
+        took = time.monotonic() - started
+        assert seen["warm"] and done.stderr == ""
+        assert took < dribbles_s / 10, f"served after {took:.1f} s beside a request that takes {dribbles_s} s"
+        assert dribbler.poll() is None, "the dribbler is still being read meanwhile"
+    finally:
+        dribbler.kill()
+        dribbler.wait()
+
+
+def test_a_module_the_warm_process_has_not_imported_is_imported_by_the_worker_alone(warm, tmp_path):
+    """A preload named by a request would be imported in the warm process's only thread, holding every
+    other stand-in of the node meanwhile: the worker imports it itself, after the fork."""
+    (warm.mods / "slow_preload.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n"
+                                               "import time\ntime.sleep(60)\n")
+    started = time.monotonic()
+    done, seen = stand_in(warm, "r['preload'] = ['slow_preload']")
+    took = time.monotonic() - started
+    assert seen["warm"] and done.stderr == "" and took < 6, f"{took:.1f} s"
+    assert not (tmp_path / "imported").exists(), "the warm process imported it"

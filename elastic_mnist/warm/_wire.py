@@ -31,6 +31,7 @@ STARTED_ENV = procs.STARTED_AT_ENV
 SOCKET_NAME = "warm.sock"
 STDIO = (0, 1, 2)
 _LEN = struct.Struct("!I")
+HEAD_SIZE = _LEN.size
 MAX_MESSAGE = 1 << 22
 MAX_PATH = 100  # sun_path holds 108 bytes: a longer agent directory gets no warm process
 
@@ -59,10 +60,7 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
     try:
         if len(head) != _LEN.size:
             raise WireError("a short message")
-        (size,) = _LEN.unpack(head)
-        if size > MAX_MESSAGE:
-            raise WireError(f"a message of {size} bytes")
-        message = json.loads(_recv_exact(sock, size))
+        message = json.loads(_recv_exact(sock, message_size(head)))
         if not isinstance(message, dict):
             raise WireError("a message that is not a JSON object")
         return message, fds
@@ -70,6 +68,14 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
         for fd in fds:
             os.close(fd)
         raise WireError(str(e)) from None
+
+
+def message_size(head: bytes) -> int:
+    """The size a message's 4-byte head announces; WireError beyond MAX_MESSAGE."""
+    (size,) = _LEN.unpack(head)
+    if size > MAX_MESSAGE:
+        raise WireError(f"a message of {size} bytes")
+    return size
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:

@@ -68,7 +68,8 @@ class WarmProcess:
 
 
 def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True, plan: WorkerPlan | None = None,
-                      wait_ready: bool = False, probe_timeout_s: float = probe.PROBE_TIMEOUT_S) -> WarmProcess | None:
+                      wait_ready: bool = False, probe_timeout_s: float = probe.PROBE_TIMEOUT_S,
+                      preload: tuple[str, ...] = ()) -> WarmProcess | None:
     """In the torchrun agent: start its warm process and point the workers it starts at it, once it listens;
     with `wait_ready`, once it has built each local rank's worker too. None where it cannot start (workers
     start cold)."""
@@ -82,6 +83,7 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
     command = [sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(os.getpid()), "--address", address,
                "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()),
                "--probe-timeout", str(probe_timeout_s), *(["--in-place"] if in_place else []),
+               *(f"--preload={name}" for name in preload),
                *(["--plan-on-stdin"] if plan else [])]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE if plan else subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=procs.die_with_parent_preexec(), pass_fds=[marks_w, theirs.fileno()])

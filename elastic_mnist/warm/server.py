@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-place", action="store_true", help="workers may outlive their round (kept.py)")
     parser.add_argument("--plan-on-stdin", action="store_true", help="read the agent's worker (plan.py, JSON) "
                         "from stdin, and fork it before its round")
+    parser.add_argument("--preload", action="append", default=[], help="a module to import before forking "
+                        "(besides torch and the plan's); a request's other modules are its worker's to import")
     parser.add_argument("--probe-timeout", type=float, default=probe.PROBE_TIMEOUT_S, help="the fork probe's bound")
     args = parser.parse_args(argv)
     # A Ctrl-C, or a SIGTERM to every process of the node, is the agent's to handle: it stops its workers and
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         server.control = socket.socket(fileno=args.control_fd)
         server.selector.register(server.control, selectors.EVENT_READ, "control")
     server.mark(LISTENING)
-    server.preloads.load([*BASE_PRELOAD, *(plan.request(0)["preload"] if plan else ())])
+    server.preloads.load([*BASE_PRELOAD, *args.preload, *(plan.request(0)["preload"] if plan else ())])
     server.mark(WARM)
     job = server.prestart()
     if job is None and not server.fleet.building():
