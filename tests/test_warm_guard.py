@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_mnist import agent_link, procs
+from elastic_mnist.warm import _wire
 from elastic_mnist.warm.agent import start_for_workers
 
 COLD = "elastic-mnist warm start: starting cold: "
@@ -33,7 +34,8 @@ STAND_IN = textwrap.dedent("""
         return r
     _wire.request_from_here = changed
     handoff()
-    print(json.dumps({"pid": os.getpid(), "warm": "ELASTIC_MNIST_STARTED_AT" in os.environ}), flush=True)
+    print(json.dumps({"pid": os.getpid(), "warm": "ELASTIC_MNIST_STARTED_AT" in os.environ,
+                      "token": os.environ.get(_wire.TOKEN_ENV)}), flush=True)
 """)
 
 
@@ -133,3 +135,27 @@ def test_a_module_the_warm_process_has_not_imported_is_imported_by_the_worker_al
     took = time.monotonic() - started
     assert seen["warm"] and done.stderr == "" and took < 6, f"{took:.1f} s"
     assert not (tmp_path / "imported").exists(), "the warm process imported it"
+
+
+@pytest.mark.parametrize("token", [None, "0" * 32])
+def test_a_process_of_the_agent_without_its_token_is_told_nothing_and_logged_once(warm, token):
+    """As an orphan re-parented to a PID-1 agent would be: the right user and parent, but not started by the
+    agent, so without the token the agent gives its workers. It gets no worker and no answer."""
+    env = {k: v for k, v in warm.env.items() if k != _wire.TOKEN_ENV} | ({_wire.TOKEN_ENV: token} if token else {})
+    before = warm.log.read_text()
+    done, seen = stand_in(SimpleNamespace(env=env, script=warm.script))
+    assert not seen["warm"] and done.stderr == "", "it started cold, told nothing"
+    logged = warm.log.read_text()[len(before):].splitlines()
+    assert logged == [f"elastic-mnist warm start: refused pid {seen['pid']}: its request carries no token of this "
+                      "agent (a process the agent did not start: its workers get the token in their environment)"]
+
+
+def test_the_token_is_handed_to_the_warm_process_only_and_never_to_a_worker(warm):
+    """Not among the warm process's arguments (`ps`), nor in the environment a warm worker runs with."""
+    token = warm.env[_wire.TOKEN_ENV]
+    done, seen = stand_in(warm, "")
+    assert seen["warm"] and seen["token"] is None
+    server = next(pid for pid in procs.descendants(os.getpid())
+                  if b"elastic_mnist.warm.server" in open(f"/proc/{pid}/cmdline", "rb").read())
+    for where in ("cmdline", "environ"):
+        assert token.encode() not in open(f"/proc/{server}/{where}", "rb").read(), where

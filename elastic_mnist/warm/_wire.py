@@ -27,6 +27,7 @@ from elastic_mnist import procs
 from elastic_mnist.warm import settings
 
 ADDRESS_ENV = procs.WARM_ADDRESS_ENV
+TOKEN_ENV = procs.WARM_TOKEN_ENV
 STARTED_ENV = procs.STARTED_AT_ENV
 SOCKET_NAME = "warm.sock"
 STDIO = (0, 1, 2)

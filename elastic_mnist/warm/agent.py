@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import select
 import signal
 import socket
@@ -79,15 +80,20 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
         print(f"elastic-mnist warm start: no warm process ({why}); workers start cold", file=sys.stderr, flush=True)
         return None
     marks_r, marks_w = os.pipe()
+    token_r, token_w = os.pipe()  # the token the agent's workers carry: not in `ps`, not in its environment
     ours, theirs = socket.socketpair()
     command = [sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(os.getpid()), "--address", address,
-               "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()),
+               "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()), "--token-fd", str(token_r),
                "--probe-timeout", str(probe_timeout_s), *(["--in-place"] if in_place else []),
                *(f"--preload={name}" for name in preload),
                *(["--plan-on-stdin"] if plan else [])]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE if plan else subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=procs.die_with_parent_preexec(), pass_fds=[marks_w, theirs.fileno()])
+                            preexec_fn=procs.die_with_parent_preexec(), pass_fds=[marks_w, theirs.fileno(), token_r])
     os.close(marks_w)
+    os.close(token_r)
+    token = secrets.token_hex(16)
+    os.write(token_w, token.encode())
+    os.close(token_w)
     theirs.close()
     if plan is not None:  # on stdin, not among the arguments everyone sees in `ps`
         proc.stdin.write(json.dumps(plan.to_json()).encode())
@@ -97,7 +103,7 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
     if warm.wait(LISTENING, LISTEN_TIMEOUT_S, "the warm process to listen") != LISTENING:
         print("elastic-mnist warm start: the warm process did not start; workers start cold", file=sys.stderr)
         return None
-    environ[_wire.ADDRESS_ENV] = address
+    environ[_wire.ADDRESS_ENV], environ[_wire.TOKEN_ENV] = address, token
     if wait_ready:
         _before_joining(warm, build=in_place and plan is not None)
     return warm

@@ -70,6 +70,7 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     """Run this process's command in a warm child and never return, or return at once (start cold).
     `preload`: modules the warm process imports before it forks (they are imported once per node)."""
     address = os.environ.pop(_wire.ADDRESS_ENV, "")
+    token = os.environ.pop(_wire.TOKEN_ENV, "")  # the agent's: for its warm process only, never the worker's
     if not address or _wire.STARTED_ENV in os.environ or not hasattr(os, "pidfd_open"):
         return
     started = time.time()
@@ -80,7 +81,7 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     try:
         sock.settimeout(REPLY_TIMEOUT_S)
         sock.connect(address)
-        request = _wire.request_from_here(preload, started, settings.capture())
+        request = _wire.request_from_here(preload, started, settings.capture()) | {"token": token}
         if _wire.send(sock, request, _wire.STDIO):
             first, _ = _wire.receive(sock)
     except (OSError, EOFError, _wire.WireError):

@@ -8,10 +8,12 @@ long as that client dribbles; here a slow client only delays itself, and is refu
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import select
 import socket
+import sys
 import time
 
 from elastic_mnist import procs
@@ -20,9 +22,13 @@ from elastic_mnist.warm import _wire
 REQUEST_TIMEOUT_S = 10.0  # a stand-in sends its request at once: microseconds
 
 
+class Stranger(Exception):
+    """A complete request without the agent's token: from no process the agent started. It gets nothing."""
+
+
 class _Reading:
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn, self.deadline = conn, time.monotonic() + REQUEST_TIMEOUT_S
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self.conn, self.pid, self.deadline = conn, pid, time.monotonic() + REQUEST_TIMEOUT_S
         self.head, self.body, self.fds, self.size = b"", bytearray(), [], -1
 
     def feed(self) -> tuple[dict, list[int]] | None:
@@ -59,6 +65,7 @@ class Inbox:
 
     def __init__(self) -> None:
         self.reading: dict[int, _Reading] = {}
+        self.token = b""  # the agent's, from --token-fd: no request is served without it
 
     def admit(self, conn: socket.socket, agent_pid: int) -> str:
         """Read `conn` from now on if its process is one of its agent's workers ("" then), else why not."""
@@ -66,7 +73,7 @@ class Inbox:
         if uid != os.getuid() or procs.proc_ppid(pid) != agent_pid:
             return f"bad request: pid {pid} (uid {uid}) is not a worker of this agent"
         conn.setblocking(False)
-        self.reading[conn.fileno()] = _Reading(conn)
+        self.reading[conn.fileno()] = _Reading(conn, pid)
         return ""
 
     def feed(self, conn: socket.socket) -> tuple[dict, list[int]] | None:
@@ -80,9 +87,15 @@ class Inbox:
         except (EOFError, _wire.WireError, ValueError, OSError) as e:
             self.drop(conn)
             raise e if isinstance(e, EOFError) else _wire.WireError(str(e)) from None
-        if done is not None:
-            del self.reading[conn.fileno()]
-            conn.setblocking(True)
+        if done is None:
+            return None
+        del self.reading[conn.fileno()]
+        conn.setblocking(True)
+        if not (self.token and hmac.compare_digest(str(done[0].pop("token", "")).encode(), self.token)):
+            for fd in done[1]:
+                os.close(fd)
+            raise Stranger(f"refused pid {reading.pid}: its request carries no token of this agent (a process the "
+                           "agent did not start: its workers get the token in their environment)")
         return done
 
     def drop(self, conn: socket.socket) -> None:
@@ -109,6 +122,16 @@ def gone(conn: socket.socket) -> bool:
         return conn.recv(1, socket.MSG_PEEK) == b""
     except OSError:
         return True
+
+
+def turn_away(conn: socket.socket, error: Exception) -> None:
+    """A request that is not served: a stranger is told nothing, not even why (that goes to the agent's log);
+    anyone else one line."""
+    if isinstance(error, Stranger):
+        print(f"elastic-mnist warm start: {error}", file=sys.stderr, flush=True)
+        conn.close()
+    else:
+        refuse(conn, f"bad request: {error or 'the stand-in closed'}")
 
 
 def refuse(conn: socket.socket, why: str) -> None:

@@ -90,9 +90,9 @@ class Server:
     def _read(self, conn: socket.socket) -> Job | None:
         try:
             done = self.inbox.feed(conn)
-        except (EOFError, _wire.WireError) as e:
+        except (EOFError, _wire.WireError, inbox.Stranger) as e:
             self.selector.unregister(conn)
-            inbox.refuse(conn, f"bad request: {e or 'the stand-in closed'}")
+            inbox.turn_away(conn, e)
             return None
         if done is None:
             return None

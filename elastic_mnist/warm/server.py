@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--agent", type=int, required=True, help="the torchrun agent's pid: end when it ends")
     parser.add_argument("--address", required=True, help="the socket path to listen on (in a 0700 directory)")
     parser.add_argument("--ready-fd", type=int, default=-1, help="write the progress marks to this fd")
+    parser.add_argument("--token-fd", type=int, required=True, help="read the token every request must carry "
+                        "from this fd (the agent hands it to its workers only)")
     parser.add_argument("--control-fd", type=int, default=-1, help="the agent's end of the stream: end then")
     parser.add_argument("--in-place", action="store_true", help="workers may outlive their round (kept.py)")
     parser.add_argument("--plan-on-stdin", action="store_true", help="read the agent's worker (plan.py, JSON) "
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     except ProcessLookupError:
         return  # the agent is gone already
     server.ready_fd, server.preloads.timeout_s = args.ready_fd, args.probe_timeout
+    with open(args.token_fd, "rb") as pipe:
+        server.inbox.token = pipe.read(1024)
     if args.control_fd >= 0:
         server.control = socket.socket(fileno=args.control_fd)
         server.selector.register(server.control, selectors.EVENT_READ, "control")
