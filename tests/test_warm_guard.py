@@ -159,3 +159,45 @@ def test_the_token_is_handed_to_the_warm_process_only_and_never_to_a_worker(warm
                   if b"elastic_mnist.warm.server" in open(f"/proc/{pid}/cmdline", "rb").read())
     for where in ("cmdline", "environ"):
         assert token.encode() not in open(f"/proc/{server}/{where}", "rb").read(), where
+
+
+# -- what a wrapper gives the worker's process (ionice, chrt, nice, oom_score_adj, setpriv, unshare) --------
+SETTINGS = textwrap.dedent("""
+    import json, os
+    from elastic_mnist.warm import handoff, settings
+    handoff()
+    print(json.dumps({"warm": "ELASTIC_MNIST_STARTED_AT" in os.environ, "settings": settings.capture()}))
+""")
+OOM = ["sh", "-c", 'echo 500 > /proc/self/oom_score_adj && exec "$@"', "sh"]  # raising it needs no privilege
+
+
+def _under(warm, tmp_path, wrapper: list[str], warm_start: bool) -> tuple[dict, str]:
+    script = tmp_path / "settings.py"
+    script.write_text(SETTINGS)
+    env = warm.env if warm_start else {k: v for k, v in warm.env.items() if k != _wire.ADDRESS_ENV}
+    done = subprocess.run([*wrapper, sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), done.stderr
+
+
+def test_a_warm_worker_keeps_the_io_and_cpu_priority_oom_score_and_no_new_privs_of_its_wrappers(warm, tmp_path):
+    wrapper = ["setpriv", "--no-new-privs", "ionice", "-c", "3", "chrt", "--batch", "0", "nice", "-n", "5", *OOM]
+    cold, _ = _under(warm, tmp_path, wrapper, warm_start=False)
+    seen, err = _under(warm, tmp_path, wrapper, warm_start=True)
+    assert seen["warm"] and err == "", err
+    assert cold["settings"]["no_new_privs"] and cold["settings"]["oom_score_adj"] == 500, "the wrappers took"
+    assert seen["settings"] == cold["settings"], "the warm worker is the cold one's equal"
+
+
+@pytest.mark.parametrize("wrapper, why", [
+    (["unshare", "--net"], "the worker runs in another net namespace than the warm process"),
+    (["setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"],
+     "the worker runs with other capabilities or seccomp than the warm process (CapPrm 0000000000000000"),
+])
+def test_a_worker_confined_beyond_what_a_fork_can_take_starts_cold_saying_why(warm, tmp_path, wrapper, why):
+    if os.geteuid() != 0:
+        pytest.skip("a new namespace or dropped capabilities need root (CI runs as root)")
+    seen, err = _under(warm, tmp_path, wrapper, warm_start=True)
+    [line] = err.splitlines()
+    assert not seen["warm"] and line.startswith(f"{COLD}{why}"), err
