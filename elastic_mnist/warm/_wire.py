@@ -11,7 +11,9 @@ Every message is a 4-byte length and JSON; descriptors (SCM_RIGHTS) ride with th
   has built what it trains); {"attach": request} with the stand-in's descriptors, answered {"attached"} or
   {"refused": why}; {"detach": code} (the round is over, the worker stays); {"end": why} (its agent ends).
 The socket is a path in the agent's private directory (0700, agent_link.py), and the warm process serves
-only its own user's processes that are children of its agent (SO_PEERCRED): torchrun's workers.
+only its own user's processes that are children of its agent (SO_PEERCRED) and whose request carries the
+token its agent handed its workers (TOKEN_ENV; a re-parented orphan of an agent that is PID 1 has none):
+torchrun's workers.
 """
 
 from __future__ import annotations

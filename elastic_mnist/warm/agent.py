@@ -2,11 +2,13 @@
 
     torchrun --rdzv-backend=etcd-v3 ... -m elastic_mnist.train ...   # create_rdzv_handler calls start_for_workers
 
-The warm process listens on a socket in the agent's private directory (agent_link.py) and tells its progress
-on a pipe: listening, warm (torch imported, a fork proven safe), ready (each local rank's worker built before
-its round: in-place rounds with a known plan), or failed (such a worker ended first: the agent looks for the
-configuration error it reported). It ends with the agent: at the agent's exit its workers first save what
-they hold (within END_TIMEOUT_S), and if the agent dies it gets SIGKILL and its workers SIGHUP.
+The warm process listens on a socket in the agent's private directory (agent_link.py), serves only requests
+that carry the token this agent hands its workers in their environment (and the warm process on a pipe),
+and tells its progress on a pipe: listening, warm (torch imported, a fork proven safe), ready (each local
+rank's worker built before its round: in-place rounds with a known plan), or failed (such a worker ended
+first: the agent looks for the configuration error it reported). It ends with the agent: at the agent's exit
+its workers first save what they hold (within END_TIMEOUT_S), and if the agent dies it gets SIGKILL and its
+workers SIGHUP.
 """
 
 from __future__ import annotations

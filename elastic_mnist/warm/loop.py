@@ -1,7 +1,7 @@
 """The warm process's loop: stand-ins come in, workers are forked or handed their next round, each worker's
 exit or detach goes back to its stand-in. One thread; server.py starts it.
 
-    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock [--in-place --plan-on-stdin < PLAN.json]
+    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock --token-fd FD [--in-place --plan-on-stdin]
 
 fork() is safe here because this process runs no torch op, starts no thread and never touches CUDA, and
 that is proven after every import by a probe child (probe.py) before anything is forked. With --in-place a

@@ -4,9 +4,11 @@
 
 A fork copies memory, not threads. Anything the warm process imported that ran a torch op left thread pools
 behind (OpenMP's), and a child's first parallel op then waits for threads that do not exist: it hangs. A
-process that touched CUDA (even `torch.cuda.is_available()`) has children that cannot use CUDA. So after
-every import the warm process forks a probe that runs a small parallel op and asks torch whether it is a
-bad fork, within PROBE_TIMEOUT_S; until one passes, nothing is forked and workers start cold, each saying why.
+process that touched CUDA (even `torch.cuda.is_available()`) has children that cannot use CUDA. A thread that
+an import started (Python's or native) is not in the child either, and a lock it held at the fork stays held
+there: the worker deadlocks at its first use of it. So after its imports (at its start) the warm process
+counts its threads and forks a probe that runs a small parallel op and asks torch whether it is a bad fork,
+within PROBE_TIMEOUT_S; until both pass, nothing is forked and workers start cold, each saying why.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The warm process: one per torchrun agent, a single thread that imported torch once and forks the workers.
 The agent starts it (warm/agent.py) and it ends with the agent, after its workers; its loop is loop.py.
 
-    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock [--in-place --plan-on-stdin < PLAN.json]
+    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock --token-fd FD [--in-place --plan-on-stdin]
 
 Progress goes to --ready-fd as one byte each: listening, warm (torch imported and a fork proven safe), ready
 (every local rank's worker built before its round), or failed (one of those ended first).
