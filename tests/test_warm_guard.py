@@ -156,9 +156,17 @@ def test_the_token_is_handed_to_the_warm_process_only_and_never_to_a_worker(warm
     done, seen = stand_in(warm, "")
     assert seen["warm"] and seen["token"] is None
     server = next(pid for pid in procs.descendants(os.getpid())
-                  if b"elastic_mnist.warm.server" in open(f"/proc/{pid}/cmdline", "rb").read())
+                  if b"elastic_mnist.warm.server" in _proc(pid, "cmdline"))
     for where in ("cmdline", "environ"):
-        assert token.encode() not in open(f"/proc/{server}/{where}", "rb").read(), where
+        assert token.encode() not in _proc(server, where), where
+
+
+def _proc(pid: int, what: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            return f.read()
+    except OSError:  # it ended meanwhile
+        return b""
 
 
 # -- what a wrapper gives the worker's process (ionice, chrt, nice, oom_score_adj, setpriv, unshare) --------
@@ -201,3 +209,15 @@ def test_a_worker_confined_beyond_what_a_fork_can_take_starts_cold_saying_why(wa
     seen, err = _under(warm, tmp_path, wrapper, warm_start=True)
     [line] = err.splitlines()
     assert not seen["warm"] and line.startswith(f"{COLD}{why}"), err
+
+
+def test_the_modules_a_script_names_for_its_warm_process_are_read_from_its_source(tmp_path):
+    """What a script's handoff() names is imported when the warm process starts (torchrun's plan), not when a
+    request names it."""
+    from elastic_mnist.warm.plan import WorkerPlan
+
+    script = tmp_path / "job.py"
+    script.write_text("from elastic_mnist.warm import handoff\nhandoff(preload=('torch', 'json'))\nimport torch\n")
+    assert WorkerPlan({"path": str(script)}, [], str(tmp_path), 1).request(0)["preload"] == ["torch", "json"]
+    (tmp_path / "plain.py").write_text("import torch\n")
+    assert WorkerPlan({"path": str(tmp_path / "plain.py")}, [], str(tmp_path), 1).request(0)["preload"] == []

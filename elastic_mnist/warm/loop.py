@@ -66,7 +66,7 @@ class Server:
             self._accept()
         elif what == "request":
             return self._read(key.fileobj)
-        if what == "agent":
+        elif what == "agent":
             self.end("its agent is gone")
         elif what == "control":
             self._control(key.fileobj)
