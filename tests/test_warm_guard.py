@@ -221,3 +221,35 @@ def test_the_modules_a_script_names_for_its_warm_process_are_read_from_its_sourc
     assert WorkerPlan({"path": str(script)}, [], str(tmp_path), 1).request(0)["preload"] == ["torch", "json"]
     (tmp_path / "plain.py").write_text("import torch\n")
     assert WorkerPlan({"path": str(tmp_path / "plain.py")}, [], str(tmp_path), 1).request(0)["preload"] == []
+
+
+def test_a_request_is_read_piece_by_piece_and_refused_at_its_deadline(monkeypatch):
+    """The inbox itself: a request that comes a few bytes at a time is put together (its descriptors too),
+    and one not complete by its deadline is overdue while another is not."""
+    import socket
+    import struct
+
+    from elastic_mnist.warm import inbox
+
+    box, body = inbox.Inbox(), json.dumps({"token": "t0ken", "argv": ["x"]}).encode()
+    box.token, head = b"t0ken", struct.pack("!I", len(body))
+    pairs = [socket.socketpair() for _ in range(3)]
+    (slow, client), (early, _), (late, _) = pairs
+    try:
+        assert box.admit(slow, os.getppid()) == "" and box.admit(early, os.getppid()) == ""  # (we are its worker)
+        socket.send_fds(client, [head[:2]], list(_wire.STDIO))
+        assert box.feed(slow) is None
+        for piece in (head[2:], body[:5], body[5:]):
+            client.send(piece)
+            done = box.feed(slow)
+        message, fds = done
+        assert message == {"argv": ["x"]} and len(fds) == 3 and slow.fileno() not in box.reading
+        for fd in fds:
+            os.close(fd)
+        monkeypatch.setattr(inbox, "REQUEST_TIMEOUT_S", 0.0)
+        box.admit(late, os.getppid())
+        assert box.overdue() == [late] and box.timeout() == 0.0
+    finally:
+        for pair in pairs:
+            pair[0].close()
+            pair[1].close()
