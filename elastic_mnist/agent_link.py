@@ -14,6 +14,7 @@ rendezvous and ends this node alone, the job trains on. Standard library only.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
 import stat
@@ -27,21 +28,32 @@ _MAX_LINE = 4096  # a line, not a file: what a worker writes here is read back b
 
 
 PREFIX = "elastic-mnist-agent-"
+LOCK = "alive"  # in each agent's directory: locked (flock) by its agent for as long as it lives
+_HELD: list[int] = []
 
 
 def create(environ=os.environ) -> str:
-    """A new private directory for this agent, named in `environ` for its workers; removed at exit. Its
-    name holds the agent's pid and start time: the directories of agents that were killed (no exit handler
-    ran) are removed by the next agent of this user on this machine."""
-    sweep_dead(tempfile.gettempdir())
-    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{procs.start_ticks(os.getpid())}-")  # 0700, ours
+    """A new private directory for this agent, named in `environ` for its workers; removed at exit. The agent
+    holds a lock on a file in it for its lifetime: the directories of agents that were killed (no exit
+    handler ran) are removed by the next agent of this user on this machine, whatever pid namespace each
+    runs in (a pid says nothing across them; a lock does)."""
+    parent = tempfile.gettempdir()
+    sweep_dead(parent)
+    name = f"{PREFIX}{os.getpid()}-{procs.start_ticks(os.getpid())}-"
+    building = tempfile.mkdtemp(prefix=f".{name}", dir=parent)  # 0700, ours; hidden from sweepers until locked
+    fd = os.open(os.path.join(building, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD.append(fd)  # released by the kernel when this process ends, however it ends
+    path = os.path.join(parent, os.path.basename(building)[1:])
+    os.rename(building, path)
     environ[AGENT_DIR_ENV] = path
     atexit.register(shutil.rmtree, path, True)
     return path
 
 
 def sweep_dead(parent: str) -> list[str]:
-    """Remove this user's agent directories under `parent` whose agent is gone (its pid dead or reused)."""
+    """Remove this user's agent directories under `parent` whose agent is gone (nobody holds its lock)."""
     removed = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
@@ -56,10 +68,28 @@ def sweep_dead(parent: str) -> list[str]:
             continue
         if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and pid.isdigit() and ticks.isdigit()):
             continue  # not one this runtime made for this user: never touched
-        if procs.start_ticks(int(pid)) != int(ticks):
+        if _owner_gone(path, int(pid), int(ticks)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _owner_gone(path: str, pid: int, ticks: int) -> bool:
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:  # made by an agent of an earlier version, which locked nothing: its pid and start
+        return procs.start_ticks(pid) != ticks  # time (in this pid namespace) are all there is to go by
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only while its agent lives does this fail
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def directory(environ=os.environ) -> str:
