@@ -7,7 +7,9 @@ notes by which a worker tells its agent that its round ended for a membership ch
 A worker that finds a configuration error (a bad flag, missing data, a checkpoint of another model) writes
 the one line it printed into that directory and exits 78. The agent reads it before it would rendezvous
 again, closes the job's rendezvous with that line, and every agent of the job ends with it (exit 78)
-instead of restarting workers that fail the same way (rendezvous/_verdict.py).
+instead of restarting workers that fail the same way (rendezvous/_verdict.py). A problem of its node only (its
+own checkpoint dir unusable: NodeLocalError) goes under another name, and exit 69: the agent leaves the
+rendezvous and ends this node alone, the job trains on.
 
 A process torchrun started whose round ended for a membership change (a peer lost, stopped or joining; a
 group that did not form) does not exit with it: `end_process` writes ROUND_OVER here and waits until the
@@ -19,6 +21,7 @@ a healthy group for free when a node waits to join: the agent's handler reports 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
 import signal
@@ -45,21 +48,32 @@ _MAX_LINE = 4096  # a line, not a file: what a worker writes here is read back b
 
 
 PREFIX = "elastic-mnist-agent-"
+LOCK = "alive"  # in each agent's directory: locked (flock) by its agent for as long as it lives
+_HELD: list[int] = []
 
 
 def create(environ=os.environ) -> str:
-    """A new private directory for this agent, named in `environ` for its workers; removed at exit. Its
-    name holds the agent's pid and start time: the directories of agents that were killed (no exit handler
-    ran) are removed by the next agent of this user on this machine."""
-    sweep_dead(tempfile.gettempdir())
-    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{procs.start_ticks(os.getpid())}-")  # 0700, ours
+    """A new private directory for this agent, named in `environ` for its workers; removed at exit. The agent
+    holds a lock on a file in it for its lifetime: the directories of agents that were killed (no exit
+    handler ran) are removed by the next agent of this user on this machine, whatever pid namespace each
+    runs in (a pid says nothing across them; a lock does)."""
+    parent = tempfile.gettempdir()
+    sweep_dead(parent)
+    name = f"{PREFIX}{os.getpid()}-{procs.start_ticks(os.getpid())}-"
+    building = tempfile.mkdtemp(prefix=f".{name}", dir=parent)  # 0700, ours; hidden from sweepers until locked
+    fd = os.open(os.path.join(building, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _HELD.append(fd)  # released by the kernel when this process ends, however it ends
+    path = os.path.join(parent, os.path.basename(building)[1:])
+    os.rename(building, path)
     environ[AGENT_DIR_ENV] = path
     atexit.register(shutil.rmtree, path, True)
     return path
 
 
 def sweep_dead(parent: str) -> list[str]:
-    """Remove this user's agent directories under `parent` whose agent is gone (its pid dead or reused)."""
+    """Remove this user's agent directories under `parent` whose agent is gone (nobody holds its lock)."""
     removed = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
@@ -74,10 +88,28 @@ def sweep_dead(parent: str) -> list[str]:
             continue
         if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and pid.isdigit() and ticks.isdigit()):
             continue  # not one this runtime made for this user: never touched
-        if procs.start_ticks(int(pid)) != int(ticks):
+        if _owner_gone(path, int(pid), int(ticks)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _owner_gone(path: str, pid: int, ticks: int) -> bool:
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:  # made by an agent of an earlier version, which locked nothing: its pid and start
+        return procs.start_ticks(pid) != ticks  # time (in this pid namespace) are all there is to go by
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only while its agent lives does this fail
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def directory(environ=os.environ) -> str:
@@ -87,16 +119,24 @@ def directory(environ=os.environ) -> str:
 
 def report_config_error(line: str, environ=os.environ) -> bool:
     """Hand the agent the configuration error this worker exits with; False without such an agent."""
+    return _report(CONFIG_ERROR, line, environ)
+
+
+def _report(name: str, line: str, environ) -> bool:
     where = directory(environ)
     if not where or not os.path.isdir(where):
         return False
-    files.atomic_write(os.path.join(where, CONFIG_ERROR), line[:_MAX_LINE] + "\n", 0o600)
+    files.atomic_write(os.path.join(where, name), line[:_MAX_LINE] + "\n", 0o600)
     return True
 
 
 def config_error(where: str) -> str | None:
     """The line a worker of this agent reported, if any."""
-    path = os.path.join(where, CONFIG_ERROR)
+    return _reported(where, CONFIG_ERROR)
+
+
+def _reported(where: str, name: str) -> str | None:
+    path = os.path.join(where, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -107,6 +147,20 @@ def config_error(where: str) -> str | None:
         return os.read(fd, _MAX_LINE + 1).decode(errors="replace").strip() or None
     finally:
         os.close(fd)
+
+
+NODE_LOCAL = "node-local"
+
+
+def report_node_local(line: str, environ=os.environ) -> bool:
+    """Hand the agent the problem of this node only (NodeLocalError) this worker exits 69 with: the agent
+    leaves the job's rendezvous and ends this node, the job goes on; False without such an agent."""
+    return _report(NODE_LOCAL, line, environ)
+
+
+def node_local(where: str) -> str | None:
+    """The node-local line a worker of this agent reported, if any."""
+    return _reported(where, NODE_LOCAL)
 
 
 def _note(name: str, environ=os.environ) -> str:

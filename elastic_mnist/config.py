@@ -19,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 
-from elastic_mnist import exit_codes
+from elastic_mnist import exit_codes, files
 from elastic_mnist.errors import UserError
 
 # The one env var Kubernetes needs: a pod spec can point every command at a mounted data volume.
@@ -171,7 +171,7 @@ class TrainConfig:
             path = getattr(self, name)
             if not path or (name == "snapshot_dir" and "{uid}" in path):
                 continue
-            blocker = _file_in_the_way(path)
+            blocker = files.file_in_the_way(path)
             if blocker:
                 raise UserError(f"{flag_name(name)} {path}: {blocker} is a file, not a directory; pass a directory "
                                 "path (it is created if missing)")
@@ -217,18 +217,6 @@ LIMITS = {
 }
 # (--data-dir and --checkpoint-dir have checks of their own, which tell a node's missing mount from a bad flag.)
 PATH_FIELDS = ("log_dir", "snapshot_dir", "sample_log")
-
-
-def _file_in_the_way(path: str) -> str:
-    """The path itself or its first existing ancestor, when that is not a directory; "" otherwise."""
-    probe = os.path.abspath(path)
-    while True:
-        if os.path.lexists(probe):
-            return "" if os.path.isdir(probe) else probe
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            return ""
-        probe = parent
 
 
 def flag_name(field_name: str) -> str:
@@ -295,7 +283,8 @@ def flags_markdown(cls: type = TrainConfig) -> str:
         lines.append(f"| `{flag_name(f.name)}` | {shown} | {docs.get(f.name, '').replace('|', '/')} |")
     fp = ", ".join(f"`{flag_name(n)}`" for n in FINGERPRINT_FIELDS)
     lines += ["", f"The fingerprint stored in every checkpoint covers {fp} and the data set (size and label hash); "
-              "a checkpoint from another fingerprint is refused at resume. "
+              "a checkpoint from another fingerprint is refused at resume, and under the `etcd-v3` backend so is a "
+              "node whose fingerprint flags differ from those its job trains with (before it joins). "
               "Every other flag may change between restarts."]
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError
 from elastic_mnist.netprobe import PEER_BEACONS_ENV, wait_for_listener
 from elastic_mnist.procs import NODE_ENV
 
@@ -85,8 +85,9 @@ def pick_backend(requested: str, local_world_size: int) -> str:
     if requested == "auto":
         has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
         return "nccl" if has_gpus else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise UserError("--backend nccl needs a CUDA GPU but none is visible; use --backend gloo or auto")
+    if requested == "nccl" and not torch.cuda.is_available():  # this node's: another node may have its GPUs
+        raise NodeLocalError("--backend nccl needs a CUDA GPU but none is visible on this node; use --backend gloo "
+                             "or auto, or give this node its GPUs")
     return requested
 
 
@@ -176,6 +177,9 @@ def pick_device(requested_backend: str, local_rank: int, local_world_size: int) 
     """This process's device (set as CUDA's current one): once per process, before any round."""
     if pick_backend(requested_backend, local_world_size) != "nccl":
         return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise NodeLocalError(f"local rank {local_rank} has no CUDA GPU on this node ({torch.cuda.device_count()} "
+                             "visible): start this node with at most one worker per GPU (--nproc-per-node)")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device

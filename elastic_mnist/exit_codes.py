@@ -18,7 +18,8 @@ NODE_LOCAL = 69  # sysexits EX_UNAVAILABLE: this node lacks what the job needs (
 #                 fails that pod's index (FailIndex), not the whole Job
 UNSUPERVISED = 70  # sysexits EX_SOFTWARE: the agent died and the group could not agree on a stop in time
 SAVE_FAILED = 74  # sysexits EX_IOERR: a peer was lost and saving the last completed step raised or hung past
-# its bound; torchrun restarts us from the newest earlier state
+# its bound; torchrun restarts us from the newest earlier state. Also: the final state could not go to a full or
+# read-only checkpoint volume and stays in the in-memory snapshots, from which the restart writes it
 RESTART = 75  # sysexits EX_TEMPFAIL, "try again": the group stopped for a membership change; torchrun restarts us
 TRANSIENT = RESTART  # the same EX_TEMPFAIL from preflight: etcd still unreachable; the pod's restart retries
 PERMANENT = 78  # sysexits EX_CONFIG: no retry on any node can help (a configuration mistake, a closed

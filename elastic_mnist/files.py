@@ -116,9 +116,11 @@ class RefusedFile(OSError):
     An OSError, so every reader that already survives an unreadable file survives this one; str() is one
     line naming the file, why and the fix (`why` alone: the reason, for a caller with its own wording)."""
 
-    def __init__(self, what: str, path: str, why: str, fix: str) -> None:
+    def __init__(self, what: str, path: str, why: str, fix: str, too_large: bool = False) -> None:
         super().__init__(f"{what} {path} {why}; {fix}")
         self.path, self.why = path, why
+        self.too_large = too_large
+        """Refused for its size alone (a reader with a cap that moves may read it another time)."""
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
@@ -164,12 +166,12 @@ def read_regular(path: str | os.PathLike, limit: int, what: str, fix: str, follo
         if owner_only and st.st_mode & 0o077:
             raise RefusedFile(what, path, f"has mode {st.st_mode & 0o777:04o}: others may read or change it", fix)
         if st.st_size > limit:
-            raise RefusedFile(what, path, f"is {st.st_size:,} bytes, over its cap of {limit:,}", fix)
+            raise RefusedFile(what, path, f"is {st.st_size:,} bytes, over its cap of {limit:,}", fix, too_large=True)
         data = _read_at_most(fd, st.st_size, limit)
     finally:
         os.close(fd)
     if len(data) > limit:  # it grew while we read it
-        raise RefusedFile(what, path, f"grew past its cap of {limit:,} bytes while read", fix)
+        raise RefusedFile(what, path, f"grew past its cap of {limit:,} bytes while read", fix, too_large=True)
     return data
 
 
@@ -193,3 +195,45 @@ def open_append(path: str | os.PathLike, what: str, fix: str, mode: int = 0o644)
     fd, _ = _open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, what, fix, mode)
     os.set_blocking(fd, True)  # O_NONBLOCK only guarded the open; whoever gets the fd writes normally
     return fd
+
+
+def _ancestors(path: str) -> list[str]:
+    """Every directory above path, nearest first, as written and as the symlinks in it resolve."""
+    found: list[str] = []
+    for start in (os.path.abspath(path), os.path.realpath(path)):
+        parent = os.path.dirname(start)
+        while parent not in found:
+            found.append(parent)
+            if parent == os.path.dirname(parent):
+                break
+            parent = os.path.dirname(parent)
+    return found
+
+
+def open_ancestor(path: str) -> tuple[str, os.stat_result] | None:
+    """The nearest existing directory above path through which another user could replace path, and its
+    stat; None when there is none. Such a directory is one owned by another user than this one and root
+    (its owner may rename anything in it, or chmod it so), or one others may write that is not sticky (a
+    sticky one, like /tmp and /dev/shm, lets only an entry's owner rename or remove it)."""
+    me = os.geteuid()
+    for parent in _ancestors(path):
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue  # not there yet: whoever creates it is this process
+        if st.st_uid not in (me, 0) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            return parent, st
+    return None
+
+
+def file_in_the_way(path: str | os.PathLike) -> str:
+    """The path itself or its first existing ancestor, when that is not a directory; "" otherwise: a
+    directory that can never be created there."""
+    probe = os.path.abspath(path)
+    while True:
+        if os.path.lexists(probe):
+            return "" if os.path.isdir(probe) else probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return ""
+        probe = parent

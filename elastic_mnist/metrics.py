@@ -6,12 +6,14 @@ stdout (rank 0); warnings from any rank; TensorBoard scalars and summary.json fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
-from elastic_mnist import procs
+from elastic_mnist import procs, volume
 from elastic_mnist.errors import UserError
 from elastic_mnist.files import atomic_write
 from elastic_mnist.runlog import RunLog
@@ -44,6 +46,17 @@ def _our_summary(path: str) -> bool:
     return isinstance(summary, dict) and {"global_step", "total_steps", "torchrun_restart_count"} <= set(summary)
 
 
+def _quiet_event_writer(args) -> None:
+    """TensorBoard's event writer thread keeps its error for the next add_scalar (where a full or read-only
+    log volume gets its one warning) and also raises it, which would print a traceback: not for those."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and volume.room_error(args.exc_value) is not None:
+        return
+    _quiet_event_writer.previous(args)
+
+
+_quiet_event_writer.previous = threading.excepthook
+
+
 class Metrics:
     def __init__(self, rank: int, log_dir: str, journal: RunLog | None = None):
         self.rank = rank
@@ -64,6 +77,10 @@ class Metrics:
         if self._writer is None and self._tb_enabled:
             from torch.utils.tensorboard import SummaryWriter
 
+            if threading.excepthook is not _quiet_event_writer:
+                _quiet_event_writer.previous = threading.excepthook
+                threading.excepthook = _quiet_event_writer
+
             os.makedirs(self.log_dir, exist_ok=True)
             # purge_step drops events past the resume point: that work was lost and is being redone.
             self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=self._resume_step or None)
@@ -83,10 +100,28 @@ class Metrics:
         print(f"[rank {self.rank}] {msg}", file=sys.stderr, flush=True)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        writer = self._tensorboard()
-        if writer is not None:
+        """TensorBoard scalars (rank 0). On a full or read-only log volume they are skipped, with the volume's
+        one warning; a new event file is started once it has room again."""
+        if not self._tb_enabled or not volume.of(self.log_dir).ready():
+            return
+        try:
+            writer = self._tensorboard()
             for tag, value in values.items():
                 writer.add_scalar(tag, value, step)
+        except OSError as e:  # the event writer's thread keeps its first error and raises it at each later call
+            self._log_volume_failed("TensorBoard events", e)
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            self._writer, self._resume_step = None, 0  # a new file later, purging nothing
+            return
+        volume.of(self.log_dir).written(self.warn)
+
+    def _log_volume_failed(self, what: str, error: OSError) -> None:
+        """A write into --log-dir failed: the volume's one warning when it is full or read-only, else raised."""
+        full = volume.room_error(error)
+        if full is None:
+            raise error
+        volume.of(self.log_dir).failed(f"{what} into {self.log_dir}", full, self.warn)
 
     def mark_outputs(self) -> None:
         """Before model.pt and summary.json are written: a later start knows they are ours to replace."""
@@ -98,9 +133,25 @@ class Metrics:
             return
         atomic_write(os.path.join(self.log_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
+    def write_outputs(self, model_bytes: bytes, summary: dict) -> bool:
+        """Rank 0 at the end: model.pt and summary.json into --log-dir (marked first, so a later start knows
+        they are ours to replace). False, with the volume's one warning, when the log volume is full or
+        read-only (the caller says where the trained state is instead); any other error is raised."""
+        try:
+            self.mark_outputs()
+            atomic_write(os.path.join(self.log_dir, "model.pt"), model_bytes)
+            self.write_summary(summary)
+        except OSError as e:
+            self._log_volume_failed("model.pt and summary.json", e)
+            return False
+        return True
+
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except OSError as e:  # its last records, on a volume that filled up
+                self._log_volume_failed("TensorBoard events", e)
             self._writer = None
 
 

@@ -153,6 +153,8 @@ def torchrun_command(torchrun_args: list[str], module_args: list[str], module: s
 AGENT_PID_ENV = "ELASTIC_MNIST_AGENT_PID"
 # Set by an etcd-v3 agent for the workers it starts: where its warm process listens (elastic_mnist/warm).
 WARM_ADDRESS_ENV = "ELASTIC_MNIST_WARM"
+# Set by an etcd-v3 agent for the workers it starts: the token its warm process serves (elastic_mnist/warm).
+WARM_TOKEN_ENV = "ELASTIC_MNIST_WARM_TOKEN"
 # Set in a worker forked from a warm process (elastic_mnist/warm): the wall time its stand-in was exec()ed
 # by torchrun, where this worker's start really began (its own kernel start time is the fork).
 STARTED_AT_ENV = "ELASTIC_MNIST_STARTED_AT"
@@ -162,7 +164,8 @@ STARTED_AT_ENV = "ELASTIC_MNIST_STARTED_AT"
 NODE_ENV = "ELASTIC_MNIST_NODE"
 
 
-_AGENT_ONLY = (WARM_ADDRESS_ENV, STARTED_AT_ENV, AGENT_PID_ENV, "ELASTIC_MNIST_AGENT_DIR")  # (agent_link.AGENT_DIR_ENV)
+_AGENT_ONLY = (WARM_ADDRESS_ENV, WARM_TOKEN_ENV, STARTED_AT_ENV, AGENT_PID_ENV,
+               "ELASTIC_MNIST_AGENT_DIR")  # (agent_link.AGENT_DIR_ENV)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from elastic_mnist import volume
 
 if TYPE_CHECKING:  # the launcher reads run logs without importing torch
     import torch
@@ -38,8 +43,11 @@ class RunLog:
         self._fixed = {"rank": rank, "world_size": world_size, "restart": restart, "pid": os.getpid(),
                        "round": round_index, **({"node": node} if node else {})}
         name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
-        self._samples = _open_append(sample_dir, name) if sample_dir else None
-        self._events = _open_append(events_dir(log_dir), name) if log_dir else None
+
+        def warn(message: str) -> None:  # not through the journal: it may be what cannot be written
+            print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+        self._samples = _Appender(sample_dir, name, "sample records", warn) if sample_dir else None
+        self._events = _Appender(events_dir(log_dir), name, "the event journal", warn) if log_dir else None
 
     def step(self, step: int, epoch: int, indices: torch.Tensor) -> None:
         """The dataset indices this rank used for one optimizer step."""
@@ -51,13 +59,13 @@ class RunLog:
         if self._events is not None:
             self._write(self._events, {"event": kind, **fields})
 
-    def _write(self, f, record: dict) -> None:
-        f.write(json.dumps({**record, **self._fixed, "time": time.time()}) + "\n")
+    def _write(self, appender: _Appender, record: dict) -> None:
+        appender.write((json.dumps({**record, **self._fixed, "time": time.time()}) + "\n").encode())
 
     def close(self) -> None:
-        for f in (self._samples, self._events):
-            if f is not None:
-                f.close()
+        for appender in (self._samples, self._events):
+            if appender is not None:
+                appender.close()
         self._samples = self._events = None
 
     def __enter__(self) -> RunLog:
@@ -67,9 +75,50 @@ class RunLog:
         self.close()
 
 
-def _open_append(directory: str, name: str):
-    os.makedirs(directory, exist_ok=True)
-    return open(os.path.join(directory, name), "a", buffering=1)  # line-buffered: a crash loses no full line
+class _Appender:
+    """Whole lines appended to one file of this process (a crash loses no complete line). On a full or
+    read-only volume a line is skipped, never left half-written, with one warning for the volume; appending
+    resumes when it has room (elastic_mnist/volume.py). Any other error is raised."""
+
+    def __init__(self, directory: str, name: str, what: str, warn: Callable[[str], None]):
+        self.directory, self.path, self.what, self.warn = directory, os.path.join(directory, name), what, warn
+        self.volume = volume.of(directory)
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self.write(b"")  # opened now: a directory that cannot be used at all fails at start, as it should
+
+    def write(self, line: bytes) -> None:
+        with self._lock:
+            if not self.volume.ready(len(line)):
+                return
+            try:
+                if self._fd is None:
+                    os.makedirs(self.directory, exist_ok=True)
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                if line:
+                    self._append(line)
+            except OSError as e:
+                if volume.room_error(e) is None:
+                    raise
+                self.volume.failed(f"{self.what} {self.path}", e, self.warn)
+                return
+            self.volume.written(self.warn)
+
+    def _append(self, line: bytes) -> None:
+        written = 0
+        try:
+            while written < len(line):
+                written += os.write(self._fd, line[written:])
+        except OSError:
+            if written:  # a part of the line went in before the volume filled: take it back out
+                os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def read_records(directory: str) -> list[dict]:

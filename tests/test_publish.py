@@ -138,7 +138,7 @@ def test_ensure_writable_names_a_directory_that_cannot_publish(tmp_path, monkeyp
     no_hard_links(monkeypatch, errno.EPERM)
     no_renameat2(monkeypatch)
     monkeypatch.setattr(os, "rename", broken_rename)
-    with pytest.raises(UserError, match=r"ckpts is not writable \(Permission denied\)"):
+    with pytest.raises(UserError, match=r"ckpts is not writable on this node \(Permission denied\)"):
         checkpoint.ensure_writable(str(tmp_path / "ckpts"))
     assert os.listdir(tmp_path / "ckpts") == []
 

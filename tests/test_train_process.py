@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import REPO, run_train, worker_env
 
-from elastic_mnist import exit_codes, procs
+from elastic_mnist import agent_link, exit_codes, procs
 from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.etcd.server import free_port
 from elastic_mnist.runlog import read_records
@@ -74,13 +74,19 @@ def test_missing_data_dir_says_how_to_get_mnist(tmp_path):
     assert "MNIST not found" in run.stderr and "--download" in run.stderr and "--data-dir" in run.stderr
 
 
-def test_unwritable_checkpoint_dir(small_mnist, tmp_path):
+def test_unwritable_checkpoint_dir_ends_this_node_only(small_mnist, tmp_path):
+    """This node's own problem: exit 69, and its line goes to its agent as node-local, not as the job's
+    configuration error (which would close the rendezvous for every node)."""
     (tmp_path / "blocker").write_text("a file where a directory should be")
+    (tmp_path / "agent").mkdir(mode=0o700)
     args = ["--data-dir", small_mnist, "--checkpoint-dir", str(tmp_path / "blocker" / "ckpt"),
             "--log-dir", str(tmp_path / "runs"), "--max-steps", "2"]
-    run = run_train(args)
-    assert run.returncode == exit_codes.PERMANENT and "not writable" in run.stderr
+    run = run_train(args, **{agent_link.AGENT_DIR_ENV: str(tmp_path / "agent")})
+    assert run.returncode == exit_codes.NODE_LOCAL and "not writable on this node" in run.stderr
     assert run.stderr.strip().count("\n") == 0
+    assert agent_link.node_local(str(tmp_path / "agent")) in run.stderr
+    assert agent_link.config_error(str(tmp_path / "agent")) is None
+    assert (tmp_path / "blocker").read_text() == "a file where a directory should be"
 
 
 def test_checkpoint_of_another_config_is_refused_and_kept(small_mnist, tmp_path):

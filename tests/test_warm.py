@@ -19,7 +19,7 @@ import pytest
 from elastic_mnist import agent_link, procs
 from elastic_mnist.warm import _wire, settings
 from elastic_mnist.warm.agent import start_for_workers
-from elastic_mnist.warm.loop import REQUEST_TIMEOUT_S
+from elastic_mnist.warm.inbox import REQUEST_TIMEOUT_S
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
@@ -119,14 +119,17 @@ def test_the_child_dies_with_its_stand_in(warm, script):
 
 
 ASK = textwrap.dedent("""
-    import json, socket, sys
-    from elastic_mnist.warm import _wire, settings
+    import json, os, socket, sys
+    from elastic_mnist.warm import _wire
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(sys.argv[1])
     raw = sys.stdin.buffer.read()
+    if sys.argv[2] == "json":  # as a stand-in of the agent sends it: with the token its environment holds
+        raw = json.dumps({"token": os.environ.get(_wire.TOKEN_ENV, "")} | json.loads(raw)).encode()
     if sys.argv[2] == "raw":  # bytes as they are, with the stand-in's descriptors
         socket.send_fds(sock, [raw[:4]], list(_wire.STDIO))
-        sock.sendall(raw[4:])
+        if raw[4:]:  # (a head the server refuses at once is answered before more could be sent)
+            sock.sendall(raw[4:])
     else:
         _wire.send(sock, json.loads(raw), _wire.STDIO)
     try:
@@ -136,28 +139,32 @@ ASK = textwrap.dedent("""
 """)
 
 
-def _ask(address: str, request, raw: bool = False, env=None) -> dict:
-    """What the warm process answers a stand-in (a child of this test process, the server's agent)."""
+def _ask(env: dict, request, raw: bool = False) -> dict:
+    """What the warm process that `env` names answers a stand-in (a child of this test process, the server's
+    agent, with its token)."""
     data = request if raw else json.dumps(request).encode()
-    done = subprocess.run([sys.executable, "-c", ASK, address, "raw" if raw else "json"], input=data,
-                          capture_output=True, timeout=60, env=env or procs.child_env())
+    done = subprocess.run([sys.executable, "-c", ASK, env[_wire.ADDRESS_ENV], "raw" if raw else "json"], input=data,
+                          capture_output=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
 def test_the_server_refuses_another_interpreter(warm):
     request = _wire.request_from_here((), 0.0, {}) | {"exe": "/usr/bin/python9", "version": "9"}
-    assert "python9" in _ask(warm[_wire.ADDRESS_ENV], request)["refused"]
+    assert "python9" in _ask(warm, request)["refused"]
 
 
 @pytest.mark.slow  # a warm process of its own (torch imported again)
 def test_the_server_ends_with_its_agent(tmp_path):
     agent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ready_r, ready_w = os.pipe()
+    token_r, token_w = os.pipe()
+    os.close(token_w)  # no token: it serves nobody, and ends all the same
     server = subprocess.Popen([sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(agent.pid),
-                               "--address", str(tmp_path / "warm.sock"), "--ready-fd", str(ready_w)],
-                              pass_fds=[ready_w])
+                               "--address", str(tmp_path / "warm.sock"), "--ready-fd", str(ready_w),
+                               "--token-fd", str(token_r)], pass_fds=[ready_w, token_r])
     os.close(ready_w)
+    os.close(token_r)
     try:
         assert os.read(ready_r, 1) == b"1"  # it listens, and watches the agent
         assert os.read(ready_r, 1) == b"2"  # torch imported
@@ -199,10 +206,10 @@ def test_a_node_waits_for_its_import_only_when_it_joins_a_running_job():
     (b"\xff\xff\xff\xff", "a message of"),
 ])
 def test_a_malformed_request_gets_one_line_and_the_server_goes_on(warm, script, raw, why):
-    assert why in _ask(warm[_wire.ADDRESS_ENV], raw, raw=True)["refused"]
+    assert why in _ask(warm, raw, raw=True)["refused"]
     good = _wire.request_from_here((), 0.0, {})
     missing = {k: v for k, v in good.items() if k != "env"}
-    assert _ask(warm[_wire.ADDRESS_ENV], missing)["refused"].startswith("malformed request: 'env'")
+    assert _ask(warm, missing)["refused"].startswith("malformed request: 'env'")
     proc = _start(script, warm, "exit", "0")
     assert _first_line(proc)["warm"] and proc.wait(timeout=60) == 0, "still serving"
 
@@ -219,8 +226,8 @@ def test_only_the_agents_own_workers_are_served_on_a_private_socket(warm):
 
 def test_a_fork_that_cannot_take_the_stand_ins_settings_makes_it_start_cold(warm):
     request = _wire.request_from_here((), 0.0, settings.capture())
-    request["settings"]["affinity"] = [100_000]  # no such CPU
-    assert "cannot take the worker's process settings over" in _ask(warm[_wire.ADDRESS_ENV], request)["refused"]
+    request["settings"]["affinity"] = [8191]  # no such CPU here
+    assert "cannot take the worker's process settings over" in _ask(warm, request)["refused"]
 
 
 def test_the_worker_keeps_the_stand_ins_affinity_nice_umask_and_limits(warm, tmp_path):
@@ -241,21 +248,26 @@ def test_the_worker_keeps_the_stand_ins_affinity_nice_umask_and_limits(warm, tmp
     assert seen == {"warm": True, "umask": 0o027, "nice": os.nice(0) + 3, "cpus": [cpu], "nofile": [512, 512]}
 
 
+TORCH = "import torch\ntorch.set_num_threads(2)\n"
+
+
 @pytest.mark.slow  # a warm process of its own (torch imported again) and a probe that hangs until its bound
 @pytest.mark.parametrize("preload, why", [
-    ("x = torch.ones(256, 256); (x @ x).sum()", "hung in its first torch op"),
-    ("torch.cuda.is_available()", "CUDA was initialised in the warm process"),
+    (f"{TORCH}x = torch.ones(256, 256); (x @ x).sum()", "hung in its first torch op"),
+    (f"{TORCH}torch.cuda.is_available()", "CUDA was initialised in the warm process"),
+    # A thread, Python's or native: a lock it holds at the fork stays held in the worker (it deadlocks).
+    ("import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), name='poller', daemon=True).start()",
+     "started 1 thread(s) (poller), and a fork keeps none of them"),
+    ("import _thread, time\n_thread.start_new_thread(time.sleep, (3600,))", "started 1 thread(s), and a fork"),
 ])
 def test_a_preload_that_makes_forks_unsafe_starts_workers_cold_saying_why(tmp_path, monkeypatch, script, preload,
                                                                            why):
-    (tmp_path / "unsafe_preload.py").write_text(f"import torch\ntorch.set_num_threads(2)\n{preload}\n")
+    (tmp_path / "unsafe_preload.py").write_text(f"{preload}\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     environ: dict[str, str] = {}
-    warm = start_for_workers(agent_link.create(environ), environ, probe_timeout_s=3.0)
+    warm = start_for_workers(agent_link.create(environ), environ, probe_timeout_s=3.0, preload=("unsafe_preload",))
     try:
-        stand_in = tmp_path / "stand_in.py"
-        stand_in.write_text(SCRIPT.replace("handoff()", "handoff(preload=('unsafe_preload',))"))
-        proc = _start(stand_in, procs.child_env(**environ), "exit", "0")
+        proc = _start(script, procs.child_env(**environ), "exit", "0")
         seen = _first_line(proc)
         _, err = proc.communicate(timeout=120)
         assert not seen["warm"] and seen["pid"] == proc.pid and proc.returncode == 0

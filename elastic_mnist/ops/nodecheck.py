@@ -12,14 +12,17 @@ import shutil
 import sys
 from pathlib import Path
 
+from elastic_mnist.errors import NodeLocalError
+
 NVIDIA_VERSION = "/proc/driver/nvidia/version"  # the loaded kernel module's version, in any GPU container
 # The oldest driver each CUDA major version runs on (NVIDIA's CUDA release notes, "CUDA Toolkit and
 # Minimum Required Driver Version"); the image is CUDA 13.0.
 MIN_DRIVER = {12: 525, 13: 580}
 
 
-class NodeLocal(Exception):
-    """A check failed because of this node (its devices, its mounts); a pod on another node may pass."""
+# A check failed because of this node (its devices, its mounts); a pod on another node may pass. The
+# worker's own type for it: a worker that meets one ends its node (exit 69), not the job.
+NodeLocal = NodeLocalError
 
 
 def driver_problem(version_text: str, cuda: str | None) -> str | None:

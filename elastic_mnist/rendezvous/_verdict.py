@@ -8,19 +8,26 @@ agent (agent_link.py). Before that agent joins the next round it publishes the r
 and closes the rendezvous. Every other agent sees the closed state at its next poll of `num_nodes_waiting`,
 stops its workers as for a new round (they save), and ends too; so does any agent started later
 (_closed.py reads the same key). The line each prints is the worker's.
+
+A problem of one node only (its own checkpoint dir: the worker exits 69, exit_codes.NODE_LOCAL) ends that node
+alone: its agent leaves the rendezvous and exits 69 with the worker's line, the rendezvous stays open and the
+other nodes form the next round without it (end_this_node).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 from torch.distributed import Store
 
-from elastic_mnist import agent_link
+from elastic_mnist import agent_link, exit_codes
 from elastic_mnist._torch_compat import DynamicRendezvousHandler
 from elastic_mnist.rendezvous._closed import CONFIG_ERROR_KEY, exit_if_closed
 from elastic_mnist.rendezvous._prompt import RoundView
 from elastic_mnist.rendezvous.conf import BACKEND_NAME
+
+ALONE = "this node ends, the job goes on without it"  # after the line of a problem of this node only
 
 
 class Verdict:
@@ -31,6 +38,9 @@ class Verdict:
         self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
 
     def next_rendezvous(self):
+        alone = agent_link.node_local(self._dir) if self._dir else None
+        if alone:
+            end_this_node(self._handler, alone, exit_codes.NODE_LOCAL)
         line = agent_link.config_error(self._dir) if self._dir else None
         if line:
             self._store.set(CONFIG_ERROR_KEY, line)
@@ -46,6 +56,15 @@ class Verdict:
                   "node's workers", file=sys.stderr, flush=True)
             return 1  # torch's agent stops its workers, then next_rendezvous ends this agent with the line
         return waiting
+
+
+def end_this_node(handler: DynamicRendezvousHandler, line: str, code: int) -> NoReturn:
+    """End this agent with `line` and `code`, the job going on: torch's launcher shuts the rendezvous down (closes
+    it, for every node) when its agent ends by anything but a signal, so this handler's shutdown is made a no-op
+    first. The node leaves the rendezvous at the process's exit (_leave.py), as a preempted one does."""
+    handler.shutdown = lambda: True  # type: ignore[method-assign]
+    print(f"elastic-mnist {BACKEND_NAME}: error: {line}; {ALONE}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 def end_the_job_on_config_errors(handler: DynamicRendezvousHandler, view: RoundView, store: Store, run_id: str,

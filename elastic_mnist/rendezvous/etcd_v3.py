@@ -61,11 +61,13 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist import agent_link, exit_codes, job_secret, procs
+from elastic_mnist import agent_link, job_secret, procs
 from elastic_mnist.errors import UserError
 from elastic_mnist.rendezvous._budget import count_only_own_failures
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
+from elastic_mnist.rendezvous._early import before_joining
+from elastic_mnist.rendezvous._flags import keep_the_job_flags
 from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave, leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
@@ -90,8 +92,6 @@ from elastic_mnist.rendezvous.conf import (
 )
 from elastic_mnist.rendezvous.store import EtcdV3Store
 from elastic_mnist.torchrun_settings import RDZV_CONF
-from elastic_mnist.warm import agent as warm_agent
-from elastic_mnist.warm import plan as warm_plan
 
 # The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
 __all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",
@@ -240,25 +240,6 @@ def with_tuned_defaults(params: RendezvousParameters) -> RendezvousParameters:
                                 params.local_addr, **config)
 
 
-def _start_workers_early(agent_dir: str, settings: EtcdV3Settings, joining: bool) -> None:
-    """Before this node joins: its workers' flags are checked (a bad one ends this agent now, with the worker's
-    line, exit 78), and with warm starts its warm process starts. Joining a running job it imports torch and,
-    with in-place rounds, builds each worker before it joins, so the job trains on meanwhile; a job (re)starting
-    from no node does both while its round forms."""
-    plan = warm_plan.from_torchrun()
-    line = warm_plan.check_flags(plan)
-    if line:
-        agent_link.report_config_error(line)
-        print(f"elastic-mnist {BACKEND_NAME}: {line}", file=sys.stderr, flush=True)
-        raise SystemExit(exit_codes.PERMANENT)
-    if settings.warm_start:
-        warm_agent.start_for_workers(agent_dir, os.environ, settings.in_place, plan, wait_ready=joining)
-        line = agent_link.config_error(agent_dir)  # a worker built early found one
-        if line:
-            print(f"elastic-mnist {BACKEND_NAME}: error: {line}", file=sys.stderr, flush=True)
-            raise SystemExit(exit_codes.PERMANENT)
-
-
 def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBackend, Store]:
     """Backend + Store sharing one connection and lease; probes etcd so a bad endpoint fails here."""
     settings = parse_settings(params)
@@ -297,13 +278,15 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     os.environ[procs.AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
-    _start_workers_early(agent_dir, settings, _joins_a_running_job(state))
+    flags = before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)
     compat.quick_event_names()  # 0.8 s of a rendezvous's CPU on 2 cores: see _torch_compat
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.view is not None:  # always, as create_backend builds it
         restart_when_the_round_shrinks(handler, backend.view, store)
         end_the_job_on_config_errors(handler, backend.view, store, params.run_id, agent_dir, backend.get_state)
+    if flags is not None:
+        keep_the_job_flags(handler, store, flags)
     count_only_own_failures(handler, agent_dir, settings.crash_limit, settings.crash_window,
                             lambda: leave(handler, backend.client, backend.liveness))
     if backend.liveness is not None:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from elastic_mnist import files
-from elastic_mnist.errors import UserError
+from elastic_mnist import files, volume
+from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.state import publish
 
 MAGIC = b"EMNISTCK"
@@ -43,6 +43,7 @@ _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 # bytes). STATE_GROWTH x the newest state this process wrote or verified in a directory leaves room for both.
 STATE_GROWTH = 8
 _REFUSED_FIX = "it is not a checkpoint this job wrote: move it out of the directory (nothing was read from it)"
+_TOO_LARGE_FIX = "too large to read here now, which does not make it corrupt: it is left where it is, unread"
 _known_sizes: dict[str, int] = {}  # directory -> bytes of the newest state written or verified there
 
 
@@ -103,6 +104,9 @@ def decode(blob: bytes, name: str = "checkpoint", key: bytes | None = None) -> d
     return state
 
 
+CGROUP = "/sys/fs/cgroup"  # the process's cgroup v2 files (a pod's memory limit); tests point it at a fake tree
+
+
 def available_memory() -> int:
     """Bytes this process can still allocate: MemAvailable, less under a cgroup v2 memory limit (a pod)."""
     try:
@@ -110,22 +114,41 @@ def available_memory() -> int:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = _cgroup_headroom(CGROUP)
+    return max(avail if headroom is None else min(avail, headroom), 0)
+
+
+def _cgroup_headroom(root: str) -> int | None:
+    """memory.max less what the cgroup holds and cannot give back; None without a limit. memory.current also
+    counts the page cache (every file read or written: the checkpoints themselves), which the kernel reclaims
+    before it refuses an allocation, so the cache (memory.stat's active_file + inactive_file) is not counted.
+    Snapshots in /dev/shm are shmem, not in those two: they count."""
     try:
-        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+        with open(os.path.join(root, "memory.max")) as f:
             limit = f.read().strip()
-            avail = avail if limit == "max" else min(avail, int(limit) - int(g.read()))
+        if limit == "max":
+            return None
+        with open(os.path.join(root, "memory.current")) as f:
+            current = int(f.read())
+        with open(os.path.join(root, "memory.stat")) as f:
+            fields = dict(line.split()[:2] for line in f if len(line.split()) >= 2)
+        cache = int(fields.get("active_file", 0)) + int(fields.get("inactive_file", 0))
+        return int(limit) - max(current - cache, 0)
     except (OSError, ValueError):
-        pass  # no cgroup v2 limit visible: the machine's figure stands
-    return max(avail, 0)
+        return None  # no cgroup v2 limit visible: the machine's figure stands
 
 
 def read_limit(directory: str | None = None) -> int:
     """The most bytes a state may hold to be read: STATE_GROWTH x the newest state this process wrote or
-    verified in `directory` (if any), and never over half the memory available now (decoding holds the
-    bytes and the tensors built from them at once, so a larger state could not be restored here anyway)."""
-    ceiling = available_memory() // 2
+    verified in `directory`, or, before it knows one, half the memory available now (decoding holds the
+    bytes and the tensors built from them at once). A size it already held is never refused for memory:
+    a cap that moves with other programs' memory must not turn the job's own state away."""
     known = _known_sizes.get(os.path.abspath(directory), 0) if directory else 0
-    return min(ceiling, STATE_GROWTH * known) if known else ceiling
+    return STATE_GROWTH * known if known else available_memory() // 2
+
+
+class TooLargeHere(CheckpointError):
+    """A file over the read cap: perhaps a good state this process cannot hold now; never called corrupt."""
 
 
 def read_checkpoint(path: str, limit: int | None = None) -> bytes:
@@ -134,6 +157,8 @@ def read_checkpoint(path: str, limit: int | None = None) -> bytes:
     try:
         return files.read_regular(path, limit, "checkpoint", _REFUSED_FIX)
     except files.RefusedFile as e:
+        if e.too_large:
+            raise TooLargeHere(f"{path}: {e.why}; {_TOO_LARGE_FIX}") from None
         raise CheckpointError(f"{path}: {e.why}; {_REFUSED_FIX}") from None
 
 
@@ -228,7 +253,8 @@ def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
 
 
 def ensure_writable(directory: str) -> str:
-    """Create the directory and exercise the real publish step there; the method it uses.
+    """Create the directory and exercise the real publish step there; the method it uses. A full,
+    over-quota or read-only volume raises its OSError; anything else that fails is a UserError.
 
     A probe file is published exactly as a checkpoint is (no-clobber), a second publish under the
     same name must be refused, and both are removed: a filesystem that cannot do this fails here,
@@ -245,9 +271,13 @@ def ensure_writable(directory: str) -> str:
         finally:
             if os.path.lexists(probe):
                 os.unlink(probe)
-    except OSError as e:
-        raise UserError(f"checkpoint dir {directory} is not writable ({e.strerror or e}); fix its "
-                        "permissions or storage class, or pass another --checkpoint-dir") from None
+    except OSError as e:  # this node's disk or mount (preflight says the same): it ends this node, not the job
+        if volume.room_error(e) is not None:
+            raise  # full or read-only: the caller trains on (elastic_mnist/volume.py)
+        blocker = files.file_in_the_way(directory)
+        why = f"{blocker} is a file, not a directory" if blocker else e.strerror or e
+        raise NodeLocalError(f"checkpoint dir {directory} is not writable on this node ({why}); fix its "
+                             "permissions or storage class, or pass another --checkpoint-dir") from None
     return publish.method_of(directory)
 
 

@@ -13,21 +13,21 @@ cross-rank agreement in state/sync.py.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 from elastic_mnist import _torch_compat as compat
+from elastic_mnist import volume
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sync as state_sync
 from elastic_mnist.state.registry import OBJECTS_KEY, Progress, Stateful, cpu_snapshot, leaves, load_into, map_tensors
 from elastic_mnist.state.snapshotter import Snapshotter
-from elastic_mnist.state.writer import CheckpointWriter
+from elastic_mnist.state.writer import CheckpointWriter, refuse_foreign
 
 # The objects whose tensors make up most of a snapshot (its size estimate before the first one).
 _ON_DEVICE = ("model", "optimizer")
@@ -35,14 +35,17 @@ _ON_DEVICE = ("model", "optimizer")
 _LIVE_TEMP_S = 600.0
 
 
-def _refuse_foreign(directory: str) -> None:
-    """A checkpoint name held by another program's file would block the save of that step, and the runtime
-    moves or deletes only files it wrote: such a directory is refused at start."""
-    foreign = checkpoint.foreign_files(directory)
-    if foreign:
-        raise UserError(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
-                        f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
-                        "them: move them away, or pass another --checkpoint-dir")
+def check_checkpoint_dir(config: TrainConfig) -> None:
+    """This node's --checkpoint-dir can take the saves of its writers: writable (else NodeLocalError: this node's
+    disk or mount; full or read-only is one warning later, training goes on: volume.py), and no other program's
+    file under a checkpoint name (refuse_foreign): this node's own with node-local storage, every node's on a
+    shared volume."""
+    try:
+        checkpoint.ensure_writable(config.checkpoint_dir)
+    except OSError as e:
+        if volume.room_error(e) is None:
+            raise
+    refuse_foreign(config.checkpoint_dir, NodeLocalError if config.checkpoint_storage == "local" else UserError)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class CheckpointManager:
         self._confirmed_step = -1
         self._keeps_copy = False
         self.lineage = ""
+        self.unsaved = ""
+        """Set when the final save found the checkpoint volume full or read-only: where the state is instead."""
 
     # -- restore ----------------------------------------------------------------------------------
     def restore(self, objects: dict[str, Stateful], progress: Progress, steps_per_epoch: int,
@@ -91,7 +96,8 @@ class CheckpointManager:
         self._sweep_snapshots()
         state, source, self.lineage = self._agree_on_state(memory)
         if self.writes:  # this group now owns every dir it writes to (see fence.claim_generation)
-            self._token = fence.claim_generation(self.config.checkpoint_dir, self.env.world_size, self.lineage)
+            self._token = self.writer.if_room(lambda: fence.claim_generation(self.config.checkpoint_dir,
+                                                                       self.env.world_size, self.lineage)) or ""
         if source == state_sync.MEMORY:
             objects["rng"].load_state_dict(memory.rng)  # as it was at the end of the round: the group's set-up drew
             progress.resumes += 1
@@ -118,13 +124,14 @@ class CheckpointManager:
         held = None if memory is None else state_sync.held(memory.step, memory.lineage, self._encode)
         try:
             if self.writes:
-                checkpoint.ensure_writable(config.checkpoint_dir)
-                _refuse_foreign(config.checkpoint_dir)
+                self.writer.if_room(lambda: checkpoint.ensure_writable(config.checkpoint_dir))
+                refuse_foreign(config.checkpoint_dir,
+                               NodeLocalError if config.checkpoint_storage == "local" else UserError)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
                                          self.metrics.warn, self.key, held)
         except UserError as e:
-            error = str(e)
-        state_sync.agree_errors(error, env.world_size)
+            error = e
+        state_sync.agree_errors(error and str(error), env.world_size, isinstance(error, NodeLocalError))
         offered = fence.new_token() if env.rank == 0 else ""
         chosen, owner, sent_to, token = state_sync.agree_on_state(mine, env.rank, env.world_size, offered)
         if sent_to:
@@ -136,7 +143,7 @@ class CheckpointManager:
         state = chosen.state if chosen.state is not None else checkpoint.decode(chosen.blob, chosen.source, self.key)
         checkpoint.check_compatible(state, self.fingerprint, chosen.source)
         if self.writes:
-            state_sync.keep_durable_copy(chosen, config.checkpoint_dir)
+            self.writer.if_room(lambda: state_sync.keep_durable_copy(chosen, config.checkpoint_dir))
         return state, chosen.source, token
 
     def held(self) -> Held:
@@ -237,23 +244,39 @@ class CheckpointManager:
         writer = self.writer or self._durable_writer()
         state = self.capture(confirmed=True)
         writer.save(state, state["step"], block=True)
-        return writer.last_path or "already saved by another survivor"
+        if writer.held_step >= state["step"]:
+            return writer.last_path or "already saved by another survivor"
+        kept = self.snapshots.keep(state, state["step"])  # the checkpoint volume is full or read-only
+        if not kept:
+            raise RuntimeError(f"{self.config.checkpoint_dir} cannot be written, nor a snapshot of step "
+                               f"{state['step']}")
+        return f"{kept}, an in-memory snapshot: {self.config.checkpoint_dir} cannot be written"
 
     def finish(self, superseded: bool) -> None:
-        """Leaving the loop (done or stopping): save the last step unless a newer group owns the dir."""
+        """Leaving the loop (done or stopping): save the last step unless a newer group owns the dir. A save
+        the checkpoint volume cannot take goes into an in-memory snapshot (`unsaved` says where)."""
         if self.writer is None:
             return
         if superseded:
             self.writer.wait()  # an earlier save still in flight is ours to finish
-        else:
-            self._save(block=True)
+            return
+        self._save(block=True)
+        step = self.progress.step
+        if self.writer.held_step < step:
+            kept = self.snapshots.keep(self.capture(), step)
+            self.unsaved = f"it stays in the in-memory snapshot {kept}" if kept else "no snapshot could hold it"
 
-    def mark_finished(self, summary: dict) -> None:
-        """Training completed: record it for late nodes (and pods) and free this job's snapshots."""
+    def mark_finished(self, summary: dict, unsaved: bool = False) -> None:
+        """Training completed: record it for late nodes (and pods) and free this job's snapshots; unless the
+        final state of some rank is not in a checkpoint (`unsaved`): then every snapshot stays, for the
+        restart that writes it."""
+        if unsaved:
+            self.close()
+            return
         if self.env.rank == 0:
-            fence.write_finished(self.config.checkpoint_dir, {
+            self.writer.if_room(lambda: fence.write_finished(self.config.checkpoint_dir, {
                 "step": summary["global_step"], "total_steps": summary["total_steps"],
-                "test_accuracy": summary["test_accuracy"], "run_id": self.env.run_id, "time": time.time()})
+                "test_accuracy": summary["test_accuracy"], "run_id": self.env.run_id, "time": time.time()}))
         self.close()
         self.snapshots.remove()
 

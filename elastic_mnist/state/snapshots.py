@@ -70,7 +70,13 @@ def claim_private(root: str) -> str | None:
     used. Created here: 0700 and marked. Found: used only if it is ours (marked, or an empty or earlier
     version's root, marked now), this user's and private. A refused directory is not changed at all."""
     try:
+        unsafe = _unsafe_parent(root)
+        if unsafe:
+            return unsafe
         os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
+        unsafe = _unsafe_parent(root)  # the parents it made follow the umask
+        if unsafe:
+            return unsafe
         try:
             os.mkdir(root, 0o700)
             _mark(root, ROOT_MARK)
@@ -83,6 +89,20 @@ def claim_private(root: str) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return f"{root} is not a directory (a symlink or file in its place); remove it or pass another --snapshot-dir"
     return _refusal(root, st) or _adopt(root, stat.S_IMODE(st.st_mode))
+
+
+def _unsafe_parent(root: str) -> str | None:
+    """A root is private only if no other user can swap it: every directory above it must be this user's or
+    root's, and writable by nobody else unless sticky (files.open_ancestor)."""
+    found = files.open_ancestor(root)
+    if found is None:
+        return None
+    parent, st = found
+    mode = stat.S_IMODE(st.st_mode)
+    why = (f"belongs to uid {st.st_uid} with mode {mode:o}: that user" if st.st_uid not in (os.geteuid(), 0) else
+           f"is writable by others (mode {mode:o}) and not sticky: another user")
+    return (f"{parent}, a parent of the snapshot root {root}, {why} could replace the root (read or plant "
+            "snapshots); pass a --snapshot-dir whose parents are yours or root's, or sticky like /tmp and /dev/shm")
 
 
 def _refusal(root: str, st: os.stat_result) -> str | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from elastic_mnist.metrics import Metrics
 from elastic_mnist.state import snapshots
+from elastic_mnist.state.format import path_for
 from elastic_mnist.state.snapshots import SnapshotPlace
 from elastic_mnist.state.writer import CheckpointWriter
 
@@ -60,6 +61,16 @@ class Snapshotter:
         t0 = time.perf_counter()
         self.writer.save(capture(), step)
         self.block_ms.append((time.perf_counter() - t0) * 1000)
+
+    def keep(self, state: dict, step: int) -> str:
+        """Snapshot `state` now and wait for it (the checkpoint volume cannot take it): its path, or "" when
+        snapshots are off or the write failed."""
+        if self.writer is None or self.writer.failure is not None:
+            return ""
+        self.writer.save(state, step, block=True)
+        if self.writer.failure is not None or self.writer.held_step < step:
+            return ""
+        return path_for(self.place.directory, step)
 
     def _no_room(self, estimate: Callable[[], int]) -> str:
         need = (self.writer.last_size or estimate()) * _HEADROOM + _SLACK_BYTES

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist.distributed import group_device, wait
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError, PeerNodeLocalError, UserError
 from elastic_mnist.state import format as checkpoint
 
 MEMORY = "memory"  # the source of a state held in this process's memory
@@ -75,12 +75,22 @@ def best_local(checkpoint_dir: str, snapshot_dir: str, origin: dict, warn, key: 
     return max(files, key=lambda c: c.step, default=memory)
 
 
-def agree_errors(error: str | None, world_size: int) -> None:
-    """Every rank raises the same UserError if any rank found bad input; nobody is left in a collective."""
-    errors = [error] if world_size == 1 else [json.loads(b) for b in _all_gather_bytes(json.dumps(error).encode())]
-    first = next((e for e in errors if e), None)
-    if first:
-        raise UserError(first)
+def agree_errors(error: str | None, world_size: int, node_local: bool = False) -> None:
+    """Every rank raises if any rank found bad input; nobody is left in a collective. An error every node would
+    meet (a flag, the data, another model's checkpoint) is raised by every rank alike: the job ends. One that is
+    only its node's (`node_local`: its own checkpoint dir) ends that node: the ranks that found it raise their
+    NodeLocalError, every other rank PeerNodeLocalError (the round ends, the next forms without that node)."""
+    mine = [error, bool(node_local)]
+    found = [mine] if world_size == 1 else [json.loads(b) for b in _all_gather_bytes(json.dumps(mine).encode())]
+    job_wide = next((e for e, local in found if e and not local), None)
+    if job_wide:
+        raise UserError(job_wide)
+    if error:
+        raise NodeLocalError(error)
+    where = [r for r, (e, _) in enumerate(found) if e]
+    if where:
+        raise PeerNodeLocalError(f"rank {where[0]} cannot go on on its node ({found[where[0]][0]}); this round ends "
+                                 "and the next forms without that node")
 
 
 def agree_on_state(mine: Candidate | None, rank: int, world_size: int,

@@ -8,7 +8,7 @@ always the file this writer wrote last; a file that does not verify never takes 
 aside into `corrupt/` (kept, reported once), never deleted. A file that does not verify under the name a
 save needs is moved aside too, so it cannot block a good save of that step. Only files this runtime wrote
 (its header) are ever moved or deleted: another program's file under a checkpoint name is left where it is,
-reported once (the worker refuses such a directory at start: state/manager.py).
+reported once (the worker refuses such a directory at start: refuse_foreign).
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ import queue
 import threading
 from collections.abc import Callable
 
+from elastic_mnist import volume
+from elastic_mnist.errors import UserError
 from elastic_mnist.state.format import (
     CheckpointError,
+    TooLargeHere,
     decode,
     encode,
+    foreign_files,
     list_checkpoints,
     path_for,
     read_checkpoint,
@@ -40,6 +44,7 @@ class Verifier:
         self.key, self.warn = key, warn
         self._known: dict[tuple, str | None] = {}
         self._foreign: set[str] = set()
+        self._too_large: set[str] = set()
 
     def problem(self, path: str) -> str | None:
         """None when path verifies, else why not."""
@@ -49,13 +54,19 @@ class Verifier:
             if ident not in self._known:
                 decode(read_checkpoint(path), path, self.key)  # bounded: a FIFO or huge file is refused unread
                 self._known[ident] = None
+            self._too_large.discard(path)
             return self._known[ident]
+        except TooLargeHere as e:  # not cached: the cap may be higher another time
+            self._too_large.add(path)
+            return str(e)
         except (CheckpointError, OSError) as e:
             return str(e)
 
     def set_aside(self, path: str, problem: str) -> bool:
         """Move a file of ours that does not verify into corrupt/ (kept for whoever wants to look at it);
-        one this runtime did not write stays where it is (False)."""
+        one this runtime did not write, or one only too large to read here now, stays where it is (False)."""
+        if path in self._too_large:
+            return False  # the read-time warning named it; a size is no sign of damage
         if not written_here(path):
             if path not in self._foreign:
                 self._foreign.add(path)
@@ -96,6 +107,17 @@ def prune(directory: str, keep: int, protect: str = "", verifier: Verifier | Non
     return removed
 
 
+def refuse_foreign(directory: str, error: type[UserError] = UserError) -> None:
+    """A checkpoint name held by another program's file would block the save of that step, and the runtime
+    moves or deletes only files it wrote: such a directory is refused at start (with `error`: a node-local
+    directory's problem ends that node only)."""
+    foreign = foreign_files(directory)
+    if foreign:
+        raise error(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
+                        f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
+                        "them: move them away, or pass another --checkpoint-dir")
+
+
 class CheckpointWriter:
     """A writer thread: at most one write in flight; the caller blocks only to snapshot the state.
 
@@ -106,9 +128,13 @@ class CheckpointWriter:
 
     def __init__(self, directory: str, keep: int, key: bytes | None = None, best_effort: bool = False,
                  warn: Callable[[str], None] = print):
-        self.directory, self.keep, self.key, self.best_effort = directory, keep, key, best_effort
+        self.directory, self.keep, self.key, self.best_effort, self.warn = directory, keep, key, best_effort, warn
         self.verifier = Verifier(key, warn)
+        self.volume = volume.of(directory)
         self.saved = self.skipped = 0
+        self.held_step = -1
+        """The newest step this writer saw in the directory: written, or found saved by another writer."""
+        self._wrote = False  # a write succeeded since the last wait()
         self.block_ms: list[float] = []
         self.last_path, self.last_size = "", 0
         self.failure: BaseException | None = None
@@ -120,8 +146,12 @@ class CheckpointWriter:
         self._thread.start()
 
     def save(self, state: dict, step: int, block: bool = False) -> None:
-        """state must already be a snapshot (CPU copies): training goes on while the thread writes."""
+        """state must already be a snapshot (CPU copies): training goes on while the thread writes. While the
+        volume is full or read-only (a durable writer's last write failed so), a save is skipped until the
+        volume shows room for it again (volume.py)."""
         self.wait()
+        if not self.best_effort and not self.volume.ready(self.last_size + self.last_size // 10):
+            return
         self._idle.clear()
         self._queue.put((state, step))
         if block:
@@ -143,6 +173,7 @@ class CheckpointWriter:
             problem = self.verifier.problem(path)
             if problem is None:  # another writer (a survivor, an older group) saved this step first
                 self.skipped += 1
+                self.held_step = max(self.held_step, step)
                 return
             if not self.verifier.set_aside(path, problem) or not write_durable(path, blob):
                 self.skipped += 1
@@ -151,11 +182,37 @@ class CheckpointWriter:
         if problem is not None:
             raise CheckpointError(f"{path} did not verify after it was written: {problem}")
         self.saved += 1
-        self.last_path, self.last_size = path, len(blob)
+        self.last_path, self.last_size, self.held_step = path, len(blob), max(self.held_step, step)
+        self._wrote = True
         prune(self.directory, self.keep, protect=path, verifier=self.verifier)
 
+    def if_room(self, write: Callable[[], object]) -> object:
+        """write() into this directory at once (the fence, a copy at restore, the start's probe); None, with
+        the volume's one warning, when the volume is full or read-only. A group that could not write its
+        fence token writes unfenced until its next round: names never overwrite, and a newer group only
+        ever holds newer steps."""
+        try:
+            return write()
+        except OSError as e:
+            full = volume.room_error(e)
+            if full is None:
+                raise
+            self.volume.failed(f"checkpoints into {self.directory}", full, self.warn)
+            return None
+
     def wait(self) -> None:
+        """Until the write in flight is done. Its failure is raised here (kept in `failure` when best_effort),
+        except that of a full, over-quota or read-only volume: the volume's one warning, and training goes on."""
         self._idle.wait()
-        if self.failure is not None and not self.best_effort:
-            error, self.failure = self.failure, None
+        if self.best_effort:
+            return
+        error, self.failure = self.failure, None
+        if error is None:
+            if self._wrote:
+                self._wrote = False
+                self.volume.written(self.warn)
+            return
+        full = volume.room_error(error)
+        if full is None:
             raise RuntimeError(f"checkpoint write to {self.directory} failed: {error}") from error
+        self.volume.failed(f"checkpoints into {self.directory}", full, self.warn)

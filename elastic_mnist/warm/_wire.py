@@ -11,24 +11,30 @@ Every message is a 4-byte length and JSON; descriptors (SCM_RIGHTS) ride with th
   has built what it trains); {"attach": request} with the stand-in's descriptors, answered {"attached"} or
   {"refused": why}; {"detach": code} (the round is over, the worker stays); {"end": why} (its agent ends).
 The socket is a path in the agent's private directory (0700, agent_link.py), and the warm process serves
-only its own user's processes that are children of its agent (SO_PEERCRED): torchrun's workers.
+only its own user's processes that are children of its agent (SO_PEERCRED) and whose request carries the
+token its agent handed its workers (TOKEN_ENV; a re-parented orphan of an agent that is PID 1 has none):
+torchrun's workers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import struct
 import sys
 
 from elastic_mnist import procs
+from elastic_mnist.warm import settings
 
 ADDRESS_ENV = procs.WARM_ADDRESS_ENV
+TOKEN_ENV = procs.WARM_TOKEN_ENV
 STARTED_ENV = procs.STARTED_AT_ENV
 SOCKET_NAME = "warm.sock"
 STDIO = (0, 1, 2)
 _LEN = struct.Struct("!I")
+HEAD_SIZE = _LEN.size
 MAX_MESSAGE = 1 << 22
 MAX_PATH = 100  # sun_path holds 108 bytes: a longer agent directory gets no warm process
 
@@ -57,10 +63,7 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
     try:
         if len(head) != _LEN.size:
             raise WireError("a short message")
-        (size,) = _LEN.unpack(head)
-        if size > MAX_MESSAGE:
-            raise WireError(f"a message of {size} bytes")
-        message = json.loads(_recv_exact(sock, size))
+        message = json.loads(_recv_exact(sock, message_size(head)))
         if not isinstance(message, dict):
             raise WireError("a message that is not a JSON object")
         return message, fds
@@ -68,6 +71,14 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
         for fd in fds:
             os.close(fd)
         raise WireError(str(e)) from None
+
+
+def message_size(head: bytes) -> int:
+    """The size a message's 4-byte head announces; WireError beyond MAX_MESSAGE."""
+    (size,) = _LEN.unpack(head)
+    if size > MAX_MESSAGE:
+        raise WireError(f"a message of {size} bytes")
+    return size
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -82,28 +93,47 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 # What a request must hold, and as what: a request is refused with one line naming the first field that is
-# missing or of another type, never with a traceback in the warm process.
+# missing, of another type or out of range, never with a traceback in the warm process or in a fork of it.
 _FIELDS = {"exe": str, "version": str, "argv": list, "path": list, "cwd": str, "env": dict, "target": dict,
            "preload": list, "started": (int, float), "unbuffered": bool, "settings": dict}
 
 
 def check_request(request: dict) -> str:
-    """"" when the request has the form a stand-in sends, else what is wrong with it."""
+    """"" when the request has the form a stand-in sends (types, keys and values), else what is wrong with it.
+    Everything a fork would act on is checked here, before anything is forked."""
+    if not isinstance(request, dict):
+        return "malformed request: not a JSON object"
     for name, kind in _FIELDS.items():
-        if not isinstance(request.get(name), kind):
+        value = request.get(name)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
             return f"malformed request: {name!r} missing or not a {getattr(kind, '__name__', 'number')}"
+    why = _check_values(request)
+    if not why and request["settings"]:
+        why = settings.check(request["settings"])
+    return f"malformed request: {why}" if why else ""
+
+
+def _check_values(request: dict) -> str:
     target = request["target"]
-    if not (isinstance(target.get("module"), str) or isinstance(target.get("path"), str)):
-        return "malformed request: 'target' names no module and no path"
+    if not ((isinstance(target.get("module"), str) and target["module"])
+            or (isinstance(target.get("path"), str) and os.path.isabs(target["path"]))):
+        return "'target' names no module and no absolute path"
     for name in ("argv", "path", "preload"):
-        if not all(isinstance(x, str) for x in request[name]):
-            return f"malformed request: {name!r} holds something other than strings"
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items()):
-        return "malformed request: 'env' holds something other than strings"
+        if not all(isinstance(x, str) and "\0" not in x for x in request[name]):
+            return f"{name!r} holds something other than strings"
+    if not request["argv"]:
+        return "'argv' is empty"
+    if not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+               for k, v in request["env"].items()):
+        return "'env' holds something other than NAME=VALUE strings"
+    if not (os.path.isabs(request["cwd"]) and os.path.isdir(request["cwd"])):
+        return f"'cwd' {request['cwd'][:200]!r} is not an existing directory"
+    if not (math.isfinite(request["started"]) and request["started"] >= 0):
+        return f"'started' {request['started']!r} is not a time"
     return ""
 
 
-def request_from_here(preload: tuple[str, ...], started: float, settings: dict) -> dict:
+def request_from_here(preload: tuple[str, ...], started: float, process_settings: dict) -> dict:
     """This process's command as a request: what a warm child needs to become it."""
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
@@ -111,7 +141,7 @@ def request_from_here(preload: tuple[str, ...], started: float, settings: dict) 
     return {"exe": sys.executable, "version": sys.version, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
             "env": dict(os.environ), "target": target, "preload": list(preload), "started": started,
             "unbuffered": bool(getattr(sys.stdout, "write_through", False)),  # python -u, or $PYTHONUNBUFFERED
-            "settings": settings}
+            "settings": process_settings}
 
 
 def peer(sock: socket.socket) -> tuple[int, int]:

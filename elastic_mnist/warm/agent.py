@@ -2,11 +2,13 @@
 
     torchrun --rdzv-backend=etcd-v3 ... -m elastic_mnist.train ...   # create_rdzv_handler calls start_for_workers
 
-The warm process listens on a socket in the agent's private directory (agent_link.py) and tells its progress
-on a pipe: listening, warm (torch imported, a fork proven safe), ready (each local rank's worker built before
-its round: in-place rounds with a known plan), or failed (such a worker ended first: the agent looks for the
-configuration error it reported). It ends with the agent: at the agent's exit its workers first save what
-they hold (within END_TIMEOUT_S), and if the agent dies it gets SIGKILL and its workers SIGHUP.
+The warm process listens on a socket in the agent's private directory (agent_link.py), serves only requests
+that carry the token this agent hands its workers in their environment (and the warm process on a pipe),
+and tells its progress on a pipe: listening, warm (torch imported, a fork proven safe), ready (each local
+rank's worker built before its round: in-place rounds with a known plan), or failed (such a worker ended
+first: the agent looks for the configuration error it reported). It ends with the agent: at the agent's exit
+its workers first save what they hold (within END_TIMEOUT_S), and if the agent dies it gets SIGKILL and its
+workers SIGHUP.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import select
 import signal
 import socket
@@ -68,7 +71,8 @@ class WarmProcess:
 
 
 def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True, plan: WorkerPlan | None = None,
-                      wait_ready: bool = False, probe_timeout_s: float = probe.PROBE_TIMEOUT_S) -> WarmProcess | None:
+                      wait_ready: bool = False, probe_timeout_s: float = probe.PROBE_TIMEOUT_S,
+                      preload: tuple[str, ...] = ()) -> WarmProcess | None:
     """In the torchrun agent: start its warm process and point the workers it starts at it, once it listens;
     with `wait_ready`, once it has built each local rank's worker too. None where it cannot start (workers
     start cold)."""
@@ -78,14 +82,20 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
         print(f"elastic-mnist warm start: no warm process ({why}); workers start cold", file=sys.stderr, flush=True)
         return None
     marks_r, marks_w = os.pipe()
+    token_r, token_w = os.pipe()  # the token the agent's workers carry: not in `ps`, not in its environment
     ours, theirs = socket.socketpair()
     command = [sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(os.getpid()), "--address", address,
-               "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()),
+               "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()), "--token-fd", str(token_r),
                "--probe-timeout", str(probe_timeout_s), *(["--in-place"] if in_place else []),
+               *(f"--preload={name}" for name in preload),
                *(["--plan-on-stdin"] if plan else [])]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE if plan else subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=procs.die_with_parent_preexec(), pass_fds=[marks_w, theirs.fileno()])
+                            preexec_fn=procs.die_with_parent_preexec(), pass_fds=[marks_w, theirs.fileno(), token_r])
     os.close(marks_w)
+    os.close(token_r)
+    token = secrets.token_hex(16)
+    os.write(token_w, token.encode())
+    os.close(token_w)
     theirs.close()
     if plan is not None:  # on stdin, not among the arguments everyone sees in `ps`
         proc.stdin.write(json.dumps(plan.to_json()).encode())
@@ -95,7 +105,7 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
     if warm.wait(LISTENING, LISTEN_TIMEOUT_S, "the warm process to listen") != LISTENING:
         print("elastic-mnist warm start: the warm process did not start; workers start cold", file=sys.stderr)
         return None
-    environ[_wire.ADDRESS_ENV] = address
+    environ[_wire.ADDRESS_ENV], environ[_wire.TOKEN_ENV] = address, token
     if wait_ready:
         _before_joining(warm, build=in_place and plan is not None)
     return warm

@@ -1,7 +1,7 @@
 """The warm process's loop: stand-ins come in, workers are forked or handed their next round, each worker's
 exit or detach goes back to its stand-in. One thread; server.py starts it.
 
-    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock [--in-place --plan-on-stdin < PLAN.json]
+    python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock --token-fd FD [--in-place --plan-on-stdin]
 
 fork() is safe here because this process runs no torch op, starts no thread and never touches CUDA, and
 that is proven after every import by a probe child (probe.py) before anything is forked. With --in-place a
@@ -18,13 +18,13 @@ import signal
 import socket
 import sys
 
-from elastic_mnist import exit_codes, procs
-from elastic_mnist.warm import _wire, probe
+from elastic_mnist import exit_codes
+from elastic_mnist.warm import _wire, inbox, probe
 from elastic_mnist.warm.child import Job
 from elastic_mnist.warm.fleet import ATTACHING, BUILDING, IDLE, RUNNING, STARTING, Fleet, Worker
+from elastic_mnist.warm.inbox import Inbox
 from elastic_mnist.warm.plan import WorkerPlan
 
-REQUEST_TIMEOUT_S = 10.0
 # What the warm process writes to its --ready-fd: listening, torch imported (and the fork proven safe),
 # every worker started before its round built, or one of them ended first (a configuration error, say).
 LISTENING, WARM, READY, FAILED = b"1", b"2", b"3", b"x"
@@ -42,7 +42,7 @@ class Server:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.agent, selectors.EVENT_READ, "agent")
-        self.fleet = Fleet()
+        self.fleet, self.inbox = Fleet(), Inbox()
         self.preloads = probe.Preloads()
         self.verdict: int | None = None  # a worker built before its round ended on a configuration error
         self.ready_fd, self.ending, self.control = -1, False, None
@@ -50,17 +50,23 @@ class Server:
     def serve(self) -> Job | None:
         """Until the agent is gone and the workers with it (None); in a forked child, that child's job."""
         while not (self.ending and not len(self.fleet)):
-            for key, _ in self.selector.select():
+            for key, _ in self.selector.select(self.inbox.timeout()):
                 job = self._dispatch(key)
                 if job is not None:
                     return job
+            for conn in self.inbox.overdue():
+                self.selector.unregister(conn)
+                self.inbox.drop(conn)
+                inbox.refuse(conn, f"bad request: not complete within {inbox.REQUEST_TIMEOUT_S:.0f} s of its connect")
         return None
 
     def _dispatch(self, key) -> Job | None:
         what = key.data
         if what == "accept":
-            return self._accept()
-        if what == "agent":
+            self._accept()
+        elif what == "request":
+            return self._read(key.fileobj)
+        elif what == "agent":
             self.end("its agent is gone")
         elif what == "control":
             self._control(key.fileobj)
@@ -73,38 +79,39 @@ class Server:
         return None
 
     # -- stand-ins ------------------------------------------------------------------------------------
-    def _accept(self) -> Job | None:
+    def _accept(self) -> None:
         conn, _ = self.listener.accept()
+        refused = self.inbox.admit(conn, self.agent_pid)  # only the agent's workers are read at all
+        if refused:
+            inbox.refuse(conn, refused)
+        else:
+            self.selector.register(conn, selectors.EVENT_READ, "request")
+
+    def _read(self, conn: socket.socket) -> Job | None:
         try:
-            request, fds = self._receive(conn)
-        except (OSError, EOFError, _wire.WireError, PermissionError) as e:
-            _wire.send(conn, {"refused": f"bad request: {e}"})
-            conn.close()
+            done = self.inbox.feed(conn)
+        except (EOFError, _wire.WireError, inbox.Stranger) as e:
+            self.selector.unregister(conn)
+            inbox.turn_away(conn, e)
             return None
+        if done is None:
+            return None
+        self.selector.unregister(conn)
+        return self._serve_request(conn, *done)
+
+    def _serve_request(self, conn: socket.socket, request: dict, fds: list[int]) -> Job | None:
         if self.verdict is not None:
             _wire.send(conn, {"exit": self.verdict})
             _close(fds, conn)
             return None
+        # A module the warm process has not imported is imported by the worker itself, after the fork: an
+        # import here would hold every other stand-in of the node for as long as it takes.
         refused = _wire.check_request(request) or self.preloads.refusal or self._refusal(request)
-        if not refused:
-            refused = self.preloads.load(request["preload"])
-        if refused or _gone(conn):
-            _wire.send(conn, {"refused": refused or "gone"})
-            _close(fds, conn)
+        if refused or inbox.gone(conn):
+            _close(fds)
+            inbox.refuse(conn, refused or "gone")
             return None
         return self._route(conn, request, fds)
-
-    def _receive(self, conn: socket.socket) -> tuple[dict, list[int]]:
-        pid, uid = _wire.peer(conn)
-        if uid != os.getuid() or procs.proc_ppid(pid) != self.agent_pid:
-            raise PermissionError(f"pid {pid} (uid {uid}) is not a worker of this agent")
-        conn.settimeout(REQUEST_TIMEOUT_S)  # a stand-in that stalls mid-request cannot stall the others
-        request, fds = _wire.receive(conn, len(_wire.STDIO))
-        conn.settimeout(None)
-        if len(fds) != len(_wire.STDIO):
-            _close(fds)
-            raise _wire.WireError("a request without the stand-in's stdin, stdout and stderr")
-        return request, fds
 
     def _refusal(self, request: dict) -> str:
         if request["exe"] != sys.executable or request["version"] != sys.version:
@@ -202,8 +209,9 @@ class Server:
         code = os.waitstatus_to_exitcode(status)
         self._unwatch(worker.stand_in)
         if not worker.built:
-            if code == exit_codes.PERMANENT:  # a configuration error before its first round: its line was said,
-                self.verdict = code  # and every stand-in of this agent would meet it again: they exit with it
+            if code in (exit_codes.PERMANENT, exit_codes.NODE_LOCAL):  # a configuration error, or this node's own
+                self.verdict = code  # problem, before its first round: its line was said, and every stand-in of
+                # this agent would meet it again: they exit with it
             if worker.state == BUILDING and self.ready_fd >= 0:
                 self.mark(FAILED)
         if worker.handed is not None:  # it died while a stand-in was handed to it: a fresh fork takes that
@@ -271,24 +279,14 @@ class Server:
         for sock in (conn, self.control):
             if sock is not None:
                 sock.close()
+        for reading in self.inbox.reading.values():
+            _close(reading.fds, reading.conn)
         for worker in list(self.fleet.by_pidfd.values()):
             if worker.stand_in is not None:
                 worker.stand_in.close()
             _close(worker.handed[1] if worker.handed else [])
             worker.channel.close()
             os.close(worker.pidfd)
-
-
-def _gone(conn: socket.socket) -> bool:
-    """The stand-in gave up meanwhile (it starts cold then): forking for it would run the worker twice."""
-    import select
-
-    if not select.select([conn], [], [], 0)[0]:
-        return False
-    try:
-        return conn.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
 
 
 def _close(fds: list[int], conn: socket.socket | None = None) -> None:

@@ -11,10 +11,14 @@ worker, or the worker is not used (become.differences).
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+from elastic_mnist import files
 
 TRAIN_MODULE = "elastic_mnist.train"
 PRELOAD = {TRAIN_MODULE: ("elastic_mnist.worker.train",)}  # what its warm process imports for it
@@ -41,7 +45,8 @@ class WorkerPlan:
         env = {**environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size)}
         return {"exe": sys.executable, "version": sys.version, "argv": [argv0, *self.args],
                 "path": [path0, *sys.path[1:]], "cwd": self.cwd, "env": env, "target": self.target,
-                "preload": list(PRELOAD.get(module or "", ())), "started": time.time(), "unbuffered": True,
+                "preload": list(PRELOAD.get(module or "") or declared_preload(argv0)), "started": time.time(),
+                "unbuffered": True,
                 "settings": {}}
 
     def to_json(self) -> dict:
@@ -50,6 +55,26 @@ class WorkerPlan:
     @classmethod
     def from_json(cls, data: dict) -> WorkerPlan:
         return cls(dict(data["target"]), list(data["args"]), str(data["cwd"]), int(data["local_world_size"]))
+
+
+_MAX_SCRIPT = 1 << 20
+
+
+@functools.lru_cache(maxsize=8)
+def declared_preload(script: str) -> tuple[str, ...]:
+    """The modules `script` names in its `handoff(preload=(...))` call (literal strings only), which its
+    warm process imports when it starts: one that a request names later is imported by the worker itself."""
+    try:
+        tree = ast.parse(files.read_regular(script, _MAX_SCRIPT, "worker script", "", follow_symlinks=True))
+    except (OSError, ValueError, SyntaxError):
+        return ()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "handoff":
+            for keyword in node.keywords:
+                if keyword.arg == "preload" and isinstance(keyword.value, (ast.Tuple, ast.List)):
+                    names = [getattr(e, "value", None) for e in keyword.value.elts]
+                    return tuple(n for n in names if isinstance(n, str))
+    return ()
 
 
 def from_torchrun(argv: list[str] | None = None) -> WorkerPlan | None:

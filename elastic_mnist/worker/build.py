@@ -21,7 +21,7 @@ from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics, check_log_dir
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
-from elastic_mnist.state.manager import CheckpointManager, Held
+from elastic_mnist.state.manager import CheckpointManager, Held, check_checkpoint_dir
 from elastic_mnist.state.registry import RngState, Stateful
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.step import ScalerState
@@ -55,6 +55,7 @@ class Process:
 def build_process(config, task: Task, device: torch.device, marks: dict | None = None) -> Process:
     marks = {} if marks is None else marks
     check_log_dir(config.log_dir)
+    check_checkpoint_dir(config)  # before its agent joins: a node that cannot save ends alone (NodeLocalError)
     train, test = task.datasets(config)
     if isinstance(train, Split) and isinstance(test, Split):
         train, test = train.to(device), test.to(device)  # once: a round's share indexes them where they are

@@ -15,6 +15,7 @@ How a round ends, and what its stand-in exits with:
   done .............................................. 0; the process ends
   a stop asked of this node (SIGTERM) ............... 0; kept: waits (its agent restarts, or ends it)
   a peer's stop, a newer group, no group formed ...... 75 (torchrun forms the next round); kept: waits
+  another node's own problem as the round starts ...... 75 (its node ends, exit 69); kept: waits
   a peer lost in a collective ........................ kept: 75, waits, from its last agreed step;
                                                       else: saved, 75, the process ends (worker/failure.py)
 A kept process ends when its node does (its agent ends: it saves what it holds where a restart finds it), when
@@ -26,7 +27,6 @@ line on stderr and a "fallback" record in the journal.
 from __future__ import annotations
 
 import io
-import os
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_mnist import agent_link, distributed, exit_codes
+from elastic_mnist.errors import PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
@@ -129,7 +130,11 @@ class Life:
             config.check_world_size(env.world_size)
             control = ControlPlane(env.world_size, config, self.stop, env.peer_beacons)
             stack.callback(control.leave)
-            trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
+            try:
+                trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
+            except PeerNodeLocalError as e:  # nothing was loaded: the next round forms without that node
+                print(f"elastic-mnist train: {e}", file=sys.stderr, flush=True)
+                return Ending(exit_codes.RESTART, goes_on=self.session is not None)
             self.last = trainer.checkpoints
             return self._train(trainer)
 
@@ -166,8 +171,7 @@ class Life:
             self.proc.held = trainer.checkpoints.held()
             asked = trainer.stop.requested
             return Ending(exit_codes.OK if asked else exit_codes.RESTART, goes_on=not trainer.stop.orphaned)
-        write_final(self.config, trainer, summary)
-        return Ending(exit_codes.OK, goes_on=False)
+        return Ending(write_final(self.config, trainer, summary), goes_on=False)
 
     def _round_end(self, ending: Ending) -> str:
         """The round's groups go; its stand-in exits with the round's code; the stop that ended it is spent.
@@ -232,20 +236,30 @@ def pay_startup_cost(seconds: float, stop: StopRequest) -> None:
         time.sleep(min(left, 0.1))
 
 
-def write_final(config, trainer: Trainer, summary: dict) -> None:
-    trainer.checkpoints.mark_finished(summary)
-    agent_link.report_job_done()  # this node's agent may close the rendezvous: the job is over
+def write_final(config, trainer: Trainer, summary: dict) -> int:
+    """The finished run's records and outputs; the exit code. SAVE_FAILED when a final state is not in a
+    checkpoint (a full or read-only checkpoint volume): it stays in the in-memory snapshots, which are kept,
+    and the restart (torchrun's, or the job's again under its run id) writes it once the volume has room."""
+    manager, step = trainer.checkpoints, summary["global_step"]
+    manager.mark_finished(summary, unsaved=bool(manager.unsaved))
+    if not manager.unsaved:
+        agent_link.report_job_done()  # this node's agent may close the rendezvous: the job is over
+    if manager.unsaved:
+        trainer.metrics.warn(f"the final state (step {step}) is not in {config.checkpoint_dir}, which cannot be "
+                             f"written: {manager.unsaved}; exiting {exit_codes.SAVE_FAILED}: a restart with the same "
+                             "run id resumes it there and writes it once the volume has room")
     if trainer.rank != 0:
-        return
-    trainer.metrics.mark_outputs()
+        return exit_codes.SAVE_FAILED if manager.unsaved else exit_codes.OK
     buf = io.BytesIO()
     torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
-    checkpoint.write_durable(os.path.join(config.log_dir, "model.pt"), buf.getvalue(), replace=True)
-    trainer.metrics.write_summary(summary)
-    trainer.metrics.event("done", f"[done] step {summary['global_step']} test_accuracy "
-                          f"{summary['test_accuracy']:.4f} samples/s {summary['samples_per_s']:.0f}; summary in "
-                          f"{config.log_dir}/summary.json", step=summary["global_step"],
+    where = f"in {config.log_dir}/summary.json"
+    if not trainer.metrics.write_outputs(buf.getvalue(), summary):
+        where = f"not written ({config.log_dir} cannot be written); the trained state is in " + \
+            ("the in-memory snapshot" if manager.unsaved else checkpoint.path_for(config.checkpoint_dir, step))
+    trainer.metrics.event("done", f"[done] step {step} test_accuracy {summary['test_accuracy']:.4f} samples/s "
+                          f"{summary['samples_per_s']:.0f}; summary {where}", step=step,
                           test_accuracy=summary["test_accuracy"])
+    return exit_codes.SAVE_FAILED if manager.unsaved else exit_codes.OK
 
 
 def _first(e: BaseException) -> str:

@@ -5,7 +5,8 @@
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1      # one process, no torchrun
 
 Every start is a resume, and each start-up step is safe to repeat. Exit codes (elastic_mnist.exit_codes): 0 done
-(or stopped on our own SIGTERM), 78 a configuration error (one line; under etcd-v3 it ends the whole job), 75
+(or stopped on our own SIGTERM), 78 a configuration error (one line; under etcd-v3 it ends the whole job), 69 a
+problem of this node only (its checkpoint dir; under etcd-v3 it ends this node, the job goes on), 75
 the group stopped for a membership change (torchrun restarts us into the next round), 74 a peer was lost and the
 save of the last completed step did not finish (worker/failure.py), 70 our agent died and the group could not
 agree on a stop in time.
@@ -23,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_mnist import agent_link, distributed, exit_codes, procs
 from elastic_mnist.config import parse_args
-from elastic_mnist.errors import UserError
+from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.worker import life
 from elastic_mnist.worker import stop as stop_signals
@@ -48,6 +49,12 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
         config = parse_args(argv)
         stop.set_orphan_grace(config.collective_timeout + 30)  # the agreement, then one blocking save
         return life.live(config, task or MnistMLP(), stop, marks)
+    except NodeLocalError as e:
+        # This node's own problem (its checkpoint dir, say): another node may train on. Under an etcd-v3 agent
+        # it ends this node only: the agent leaves the job's rendezvous and exits 69 (agent_link.py).
+        print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
+        agent_link.report_node_local(str(e))
+        return exit_codes.NODE_LOCAL
     except UserError as e:
         # A configuration error: no restart can help. Under an etcd-v3 agent it ends the whole job, once
         # (agent_link.py); elsewhere torchrun's retries meet the same line.

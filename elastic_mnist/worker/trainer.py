@@ -224,8 +224,11 @@ class Trainer:
         if not (self.in_place and self.stopped_early):  # kept in memory: saved at the node's end, if ever
             self.checkpoints.finish(superseded=self.superseded)
         self.control.ending()
-        if self.world_size > 1:
-            self.control.agree([0.0])  # nobody restarts and reads before rank 0's final write is durable
+        if self.world_size > 1:  # nobody restarts and reads before rank 0's final write is durable, and
+            # every rank learns whether a final state went to a snapshot instead (then every snapshot stays)
+            unsaved = self.control.agree([1.0 if self.checkpoints.unsaved else 0.0])[0]
+            self.checkpoints.unsaved = self.checkpoints.unsaved or ("a peer's final state is in its snapshot"
+                                                                    if unsaved else "")
         self.control.leave()
         return self.summary()
 

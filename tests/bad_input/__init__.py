@@ -13,5 +13,6 @@ from bad_input.dirs import DIRS
 from bad_input.earlier import EARLIER
 from bad_input.files import CACHE, CHECKPOINTS, ETCD, SECRETS
 from bad_input.rendezvous import RDZV_CONF, REPLAYS, TRANSFER
+from bad_input.storage import STORAGE
 
-ROWS = [*DIRS, *CHECKPOINTS, *SECRETS, *ETCD, *CACHE, *RDZV_CONF, *REPLAYS, *TRANSFER, *EARLIER]
+ROWS = [*DIRS, *CHECKPOINTS, *STORAGE, *SECRETS, *ETCD, *CACHE, *RDZV_CONF, *REPLAYS, *TRANSFER, *EARLIER]

@@ -43,10 +43,15 @@ def _foreign_checkpoint(place: Path) -> Path:
     return place / "ckpt" / "ckpt-000000010.pt"
 
 
-def _refuse_checkpoints(target: Path, ctx: Ctx) -> Outcome:
-    from elastic_mnist.state.manager import _refuse_foreign
+def _refuse_checkpoints(storage: str = "shared", itself: bool = False) -> Attempt:
+    """The worker's check of its --checkpoint-dir (the target's directory, or the target `itself`)."""
+    def attempt(target: Path, ctx: Ctx) -> Outcome:
+        from elastic_mnist.config import TrainConfig
+        from elastic_mnist.state.manager import check_checkpoint_dir
 
-    return worker_exit(lambda: _refuse_foreign(str(target.parent)))
+        where = str(target if itself else target.parent)
+        return worker_exit(lambda: check_checkpoint_dir(TrainConfig(checkpoint_dir=where, checkpoint_storage=storage)))
+    return attempt
 
 
 def _foreign_outputs(place: Path) -> Path:
@@ -74,9 +79,14 @@ def _local(*argv: str, run_dir: bool = True) -> Attempt:
     return attempt
 
 
-def _a_file(place: Path) -> Path:
-    (place / "runs").write_text("a file where a directory should be\n")
-    return place / "runs"
+def _a_file_named(name: str):
+    def setup(place: Path) -> Path:
+        (place / name).write_text("a file where a directory should be\n")
+        return place / name
+    return setup
+
+
+_a_file = _a_file_named("runs")
 
 
 def _flags(*argv: str | Path) -> Attempt:
@@ -113,7 +123,15 @@ DIRS = [
     Row("`--checkpoint-dir`", "another program's file named `ckpt-000000010.pt`",
         "--checkpoint-dir … holds 1 file(s) under checkpoint names that elastic-mnist did not write (e.g. "
         "ckpt-000000010.pt); it never moves or deletes them: move them away, or pass another --checkpoint-dir",
-        "the file, where it was", "78", _foreign_checkpoint, _refuse_checkpoints),
+        "the file, where it was", "78", _foreign_checkpoint, _refuse_checkpoints()),
+    Row("`--checkpoint-dir` with `--checkpoint-storage local`", "the same file, on this node's own disk",
+        "--checkpoint-dir … holds 1 file(s) under checkpoint names that elastic-mnist did not write",
+        "the file, where it was; the other nodes train on", "69", _foreign_checkpoint,
+        _refuse_checkpoints("local")),
+    Row("`--checkpoint-dir`", "a regular file (or a path through one): unusable on this node",
+        "checkpoint dir … is not writable on this node (… is a file, not a directory); fix its permissions or "
+        "storage class, or pass another --checkpoint-dir", "the file; the other nodes train on", "69",
+        _a_file_named("ckpt"), _refuse_checkpoints(itself=True)),
     Row("`--log-dir`", "holds a `model.pt` this package did not write",
         "--log-dir … holds model.pt that elastic-mnist did not write (no summary of a run of ours beside it), "
         "and a finished run would replace them: move them away or pass another --log-dir",

@@ -99,8 +99,8 @@ CHECKPOINTS = [
         "the FIFO and the good file; step 5 is resumed", "goes on",
         _checkpoints(lambda p: os.mkfifo(p), SECRET), _restore(SECRET)),
     Row("`--checkpoint-dir`", "a sparse `ckpt-000000010.pt` larger than the free memory",
-        "warning: skipping checkpoint …ckpt-000000010.pt: is … bytes, over its cap of …; it is not a checkpoint "
-        "this job wrote", "the file and the good one; step 5 is resumed", "goes on",
+        "warning: skipping checkpoint …ckpt-000000010.pt: is … bytes, over its cap of …; too large to read here "
+        "now", "the file and the good one; step 5 is resumed", "goes on",
         _checkpoints(_sparse(_huge), written_here=False), _restore()),
     Row("`--checkpoint-dir`", "a `ckpt-000000010.pt` over 8x the state the job wrote there",
         "warning: skipping checkpoint …ckpt-000000010.pt: is … bytes, over its cap of …",

@@ -89,11 +89,16 @@ def raises(exc: type[BaseException], fn: Callable[[], Any]) -> Outcome:
 
 
 def worker_exit(fn: Callable[[], Any]) -> Outcome:
-    """fn raises the UserError that the worker's main prints as one line and exits 78 on, a configuration
-    error (tests/test_bad_input.py runs that in a real worker; under etcd-v3 it ends the whole job)."""
-    from elastic_mnist.errors import UserError
+    """fn raises the UserError that the worker's main prints as one line and exits on: 78 for a configuration
+    error (tests/test_bad_input.py runs that in a real worker; under etcd-v3 it ends the whole job), 69 for a
+    NodeLocalError (this node's own; it ends this node only)."""
+    from elastic_mnist.errors import NodeLocalError, UserError
 
-    return Outcome(raises(UserError, fn).lines, "78")
+    try:
+        fn()
+    except UserError as e:
+        return Outcome(str(e).splitlines(), "69" if isinstance(e, NodeLocalError) else "78")
+    raise AssertionError("no UserError was raised")
 
 
 def cli(ctx: Ctx, argv: list[str]) -> Outcome:

@@ -159,6 +159,19 @@ def _other_secret(target: Path, ctx: Ctx) -> Outcome:
     return raises(StateIntegrityError, lambda: _backend(ctx, target, "table-secrets", b"t" * 32))  # another job's
 
 
+def _other_flags(target: Path, ctx: Ctx) -> Outcome:
+    """A node whose --lr differs from the job's, as its agent checks before it joins (it then exits 78 with it)."""
+    from elastic_mnist.config import parse_args
+    from elastic_mnist.rendezvous import _flags as job_flags
+
+    _, store = _backend(ctx, target, "table-flags")
+    job = parse_args([]).fingerprint()
+    assert job_flags.refusal(store, job, "table-flags") == "", "the first node defines the job"
+    line = job_flags.refusal(store, parse_args(["--lr", "0.5"]).fingerprint(), "table-flags")
+    assert job_flags.refusal(store, job, "table-flags") == "", "the job's configuration is as it was"
+    return Outcome([line], "78")
+
+
 REPLAYS = [
     Row("beacon `…/probe/A` (etcd)", "A's sealed \"cannot reach B\" written back after the cut healed",
         "none: every observer ignores it (B stays in rounds) and A writes its value again",
@@ -181,6 +194,11 @@ REPLAYS = [
     Row("`--rdzv-conf secret_file=`", "another secret than the job's (etcd)",
         "refusing the rendezvous state in …: its HMAC does not verify with this job's secret",
         "the state", "raises StateIntegrityError", place_itself, _other_secret, needs="etcd"),
+    Row("`--lr`, `--seed`, `--hidden`, … (etcd-v3)", "one node started with another value than the job's (a "
+        "second node with `--lr 0.5`)", "this node's flags differ from those job … trains with: --lr 0.5 (the job: "
+        "0.001); start this node with the job's flags, or another configuration as a new job with a new --rdzv-id "
+        "(the job goes on without this node)", "the job's configuration; its running nodes train on", "78",
+        place_itself, _other_flags, needs="etcd"),
 ]
 
 

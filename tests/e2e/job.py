@@ -29,6 +29,7 @@ class Job:
             "--snapshot-every=0", "--min-step-time=0.1", "--log-every=10", "--collective-timeout=60", *extra]
         self.agents: list[subprocess.Popen] = []
         self.node_env: dict[int, dict] = {}  # node index -> extra environment of its process tree only
+        self.node_args: dict[int, list[str]] = {}  # node index -> its workers' own flags (after the others: they win)
 
     def start(self) -> None:
         for i in range(self.nodes):
@@ -39,7 +40,7 @@ class Job:
         targs = torchrun_settings.torchrun_args(self.backend, self.endpoint, self.run_id, self.min_nodes, self.nodes,
                                                 max_restarts=self.max_restarts)
         log = open(self.tmp / f"node{i}-{len(self.agents)}.log", "wb")
-        argv = self.command(i, procs.torchrun_command(targs, self.train_args))
+        argv = self.command(i, procs.torchrun_command(targs, self.train_args + self.node_args.get(i, [])))
         self.agents.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                             env=procs.child_env(**self.env, **self.node_env.get(i, {})),
                                             start_new_session=True, preexec_fn=procs.die_with_parent_preexec()))

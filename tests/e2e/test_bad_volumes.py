@@ -1,16 +1,20 @@
-"""Bad volumes with real torchrun workers: a snapshot directory on a full tmpfs, and a checkpoint
-directory where the files named newest are unreadable or refused by the loader."""
+"""Bad volumes with real torchrun workers: a snapshot directory on a full tmpfs, a log and checkpoint volume
+that is full when the job starts, and a checkpoint directory where the files named newest are unreadable or
+refused by the loader."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
-from conftest import run_torchrun
+from conftest import REPO, run_torchrun, worker_env
 from test_bad_volume import Planted
-from volumes import tiny_tmpfs
+from volumes import fill, tiny_tmpfs
 
 from e2e.test_chaos import assert_replays_plan, run_local
+from elastic_mnist import procs
+from elastic_mnist.runlog import events_dir, read_records
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import snapshots
 from elastic_mnist.state.writer import CORRUPT_DIR
@@ -68,3 +72,34 @@ def test_a_snapshot_root_open_to_others_is_refused_with_one_line_and_training_go
     assert len(refusals) == 2 and all("writable by others (mode 777)" in line for line in refusals), refusals
     assert os.listdir(root) == [], "nothing written into it"
     assert checkpoint.load_latest(str(tmp_path / "ckpt"))[0]["step"] == 20
+
+
+def test_a_full_log_and_checkpoint_volume_warns_once_and_the_run_ends_with_everything_written(small_mnist, tmp_path):
+    """--log-dir and --checkpoint-dir on one tmpfs that is full when the job starts: a rank warns once and
+    trains on; the volume is given room at the first warning; writing resumes (one line per rank that
+    warned), and the run ends at its last step with its final checkpoint, model.pt and a journal of whole
+    lines."""
+    with tiny_tmpfs(tmp_path / "vol", 64 * 1024) as vol:
+        os.makedirs(vol / "ckpt")
+        filler = fill(vol)
+        args = [*_args(small_mnist, vol, "--max-steps", "300"), "--snapshot-dir", str(tmp_path / "shm")]
+        job = subprocess.Popen(procs.torchrun_command(["--standalone", "--nproc-per-node=2"], args), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=worker_env(), cwd=REPO)
+        first = []
+        for line in job.stderr:  # until the first warning: then the operator frees the volume
+            first.append(line)
+            if "warning: cannot write" in line:
+                os.unlink(filler)
+                break
+        out, rest = job.communicate(timeout=300)
+        err = "".join(first) + rest
+        assert job.returncode == 0, err[-3000:]
+        journal = read_records(events_dir(str(vol / "runs")))  # every line whole, or this raises
+        final = checkpoint.load_latest(str(vol / "ckpt"))[0]["step"]
+        outputs = sorted(os.listdir(vol / "runs"))
+    assert "No space left on device (ENOSPC)" in err and "Traceback" not in err
+    for rank in (0, 1):
+        warned = err.count(f"[rank {rank}] warning: cannot write")
+        assert warned <= 1 and err.count(f"[rank {rank}] writing into the volume of") == warned, err[-3000:]
+    assert final == 300 and "model.pt" in outputs and "summary.json" in outputs
+    assert any(r["event"] == "done" for r in journal) and "[done] step 300" in out
