@@ -1,6 +1,6 @@
 """What an etcd-v3 torchrun agent shares with its workers beyond torchrun's environment: its pid, and a
 private directory of its own (0700) for the warm process's socket, a worker's configuration error, and the
-notes by which a worker tells its agent that its round ended for a membership change or that the job is done.
+note by which a worker tells its agent that its round ended for a membership change.
 
     python -c "from elastic_mnist import agent_link; print(agent_link.create({}))"
 
@@ -38,7 +38,6 @@ from elastic_mnist import exit_codes, files, procs
 AGENT_DIR_ENV = "ELASTIC_MNIST_AGENT_DIR"
 CONFIG_ERROR = "config-error"
 ROUND_OVER = "round-over"  # a worker's round ended for a membership change: restart it, count nothing
-JOB_DONE = "job-done"  # a worker of this node trained the job to its end
 STOPPING = "stopping"  # the agent is stopping its workers for a new round: a worker ending its round just exits
 ROUND_OVER_WAIT_S = 30.0
 """How long a worker waits for its agent to take ROUND_OVER (the agent looks every --monitor-interval, 0.1 s)
@@ -167,17 +166,6 @@ def _note(name: str, environ=os.environ) -> str:
     """The path of note `name` in this process's agent directory ("" without one)."""
     where = directory(environ)
     return os.path.join(where, name) if where and os.path.isdir(where) else ""
-
-
-def report_job_done(environ=os.environ) -> None:
-    """This worker trained the job to its end: its agent may close the rendezvous when it exits."""
-    path = _note(JOB_DONE, environ)
-    if path:
-        files.atomic_write(path, "", 0o600)
-
-
-def job_done(where: str) -> bool:
-    return bool(where) and os.path.isfile(os.path.join(where, JOB_DONE))
 
 
 def mark_stopping(where: str, stopping: bool) -> None:

@@ -35,7 +35,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 import elastic_mnist.rendezvous as rdzv
-from elastic_mnist import agent_link
 from elastic_mnist.etcd.server import EtcdServer, free_port
 from elastic_mnist.rendezvous import EtcdV3ConfigError, create_backend, read_rendezvous_status
 from elastic_mnist.rendezvous.status import decode_state
@@ -156,9 +155,6 @@ def test_entry_point_resolves_through_torchs_registry(etcd: EtcdServer) -> None:
     assert handler.settings.timeout.join == timedelta(seconds=77)
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
-    handler.shutdown()  # torch's launcher calls it whenever its agent ends: not the job's end by itself
-    assert read_rendezvous_status(etcd.endpoint, handler.get_run_id())["phase"] != "closed"
-    agent_link.report_job_done()  # what this node's workers say once they trained the job to its end
     handler.shutdown()
     assert read_rendezvous_status(etcd.endpoint, handler.get_run_id())["phase"] == "closed"
 
@@ -459,7 +455,6 @@ def test_an_agent_ended_by_sigterm_leaves_without_the_heartbeat_window(etcd_serv
         elapsed = time.monotonic() - started
         assert (info.rank, info.world_size) == (0, 1)
         assert elapsed < 5, f"survivor's round took {elapsed:.1f}s; the heartbeat window alone is 15 s"
-        agent_link.report_job_done()
         a.shutdown()
         assert read_rendezvous_status(server.endpoint, run_id)["phase"] == "closed"
     finally:

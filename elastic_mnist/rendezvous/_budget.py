@@ -14,8 +14,8 @@ workers as for a join. What torch still counts is this node's own failures.
 Those are limited by rate as well: more than `crash_limit` within `crash_window` seconds and this node gives
 up. It leaves the rendezvous (the others re-form without it at once) and its agent exits 69 (NODE_LOCAL:
 another node may do better). torch's launcher shuts the rendezvous down, which closes it for every node,
-whenever its agent ends other than by a signal, also when it gives up; here only a node whose workers
-trained the job to its end closes it (a configuration error closes it in _verdict.py).
+whenever its agent ends other than by a signal, also when it gives up; here a node that ends on an error
+only leaves it (a configuration error closes it in _verdict.py, a finished job when its workers succeed).
 """
 
 from __future__ import annotations
@@ -74,11 +74,13 @@ class RestartBudget:
             raise SystemExit(exit_codes.NODE_LOCAL)
 
     def shutdown(self) -> bool:
-        """torch's launcher calls this whenever its agent ends other than by a signal. It closes the
-        rendezvous for every node, which is right only when the job is over."""
-        if agent_link.job_done(self._dir):
+        """torch's launcher calls this in a `finally` whenever its agent ends other than by a signal, and it
+        closes the rendezvous for every node. That is right when the workers succeeded (the job is over);
+        when an exception is on its way out (workers that failed past --max-restarts: ChildFailedError; this
+        node giving up; a rendezvous error of its own) this node only leaves and the others re-form."""
+        if sys.exc_info()[0] is None:
             return self._shutdown()
-        self._leave()  # gave up, or stopped on its own: the others re-form without this node
+        self._leave()
         return True
 
 

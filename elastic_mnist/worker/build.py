@@ -55,7 +55,6 @@ class Process:
 def build_process(config, task: Task, device: torch.device, marks: dict | None = None) -> Process:
     marks = {} if marks is None else marks
     check_log_dir(config.log_dir)
-    check_checkpoint_dir(config)  # before its agent joins: a node that cannot save ends alone (NodeLocalError)
     train, test = task.datasets(config)
     if isinstance(train, Split) and isinstance(test, Split):
         train, test = train.to(device), test.to(device)  # once: a round's share indexes them where they are
@@ -63,6 +62,9 @@ def build_process(config, task: Task, device: torch.device, marks: dict | None =
     plan = BatchPlan(len(train), config.global_batch_size, config.seed)
     model = task.build_model(config).to(device)
     learner = _learner(task, model, config, plan.steps_per_epoch)
+    # Before its agent joins (the process is built first): a node that cannot save ends alone (NodeLocalError);
+    # after the task's own checks, so a task's mistake leaves nothing behind.
+    check_checkpoint_dir(config)
     fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
     key = checkpoint.checkpoint_key(job_secret.from_env())  # None for a job without a secret
     marks["built"] = time.time()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_mnist import agent_link, distributed, exit_codes
+from elastic_mnist import distributed, exit_codes
 from elastic_mnist.errors import PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
@@ -242,8 +242,6 @@ def write_final(config, trainer: Trainer, summary: dict) -> int:
     and the restart (torchrun's, or the job's again under its run id) writes it once the volume has room."""
     manager, step = trainer.checkpoints, summary["global_step"]
     manager.mark_finished(summary, unsaved=bool(manager.unsaved))
-    if not manager.unsaved:
-        agent_link.report_job_done()  # this node's agent may close the rendezvous: the job is over
     if manager.unsaved:
         trainer.metrics.warn(f"the final state (step {step}) is not in {config.checkpoint_dir}, which cannot be "
                              f"written: {manager.unsaved}; exiting {exit_codes.SAVE_FAILED}: a restart with the same "
