@@ -36,13 +36,14 @@ _LIVE_TEMP_S = 600.0
 
 
 def _refuse_foreign(directory: str) -> None:
-    """A checkpoint name held by another program's file would block the save of that step, and the runtime
-    moves or deletes only files it wrote: such a directory is refused at start."""
-    foreign = checkpoint.foreign_files(directory)
+    """A checkpoint name held by another program's file would block the save of that step, and a `.generation`
+    or `finished.json` of another program would be replaced; the runtime moves, replaces or deletes only files
+    it wrote: such a directory is refused at start."""
+    foreign = checkpoint.foreign_files(directory) + fence.foreign_records(directory)
     if foreign:
-        raise UserError(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
-                        f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
-                        "them: move them away, or pass another --checkpoint-dir")
+        raise UserError(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under names elastic-mnist writes "
+                        f"there that it did not write (e.g. {os.path.basename(foreign[0])}); it never moves, replaces "
+                        "or deletes them: move them away, or pass another --checkpoint-dir")
 
 
 @dataclass(frozen=True)

@@ -111,8 +111,9 @@ DIRS = [
         "'old-project'); the runtime never changes or sweeps a directory it did not create",
         "its mode (0755), `old-project/` (a month old: never swept)", "goes on", _project, _snapshots_into),
     Row("`--checkpoint-dir`", "another program's file named `ckpt-000000010.pt`",
-        "--checkpoint-dir … holds 1 file(s) under checkpoint names that elastic-mnist did not write (e.g. "
-        "ckpt-000000010.pt); it never moves or deletes them: move them away, or pass another --checkpoint-dir",
+        "--checkpoint-dir … holds 1 file(s) under names elastic-mnist writes there that it did not write (e.g. "
+        "ckpt-000000010.pt); it never moves, replaces or deletes them: move them away, or pass another "
+        "--checkpoint-dir",
         "the file, where it was", "78", _foreign_checkpoint, _refuse_checkpoints),
     Row("`--log-dir`", "holds a `model.pt` this package did not write",
         "--log-dir … holds model.pt that elastic-mnist did not write (no summary of a run of ours beside it), "
