@@ -147,6 +147,16 @@ def _open_regular(path: str, flags: int, what: str, fix: str, mode: int = 0o644)
     return fd, st
 
 
+def open_regular(path: str | os.PathLike, what: str, fix: str,
+                 follow_symlinks: bool = False) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of `path` opened for reading if it is a regular file, for a reader that bounds what it
+    reads itself (the caller closes the fd); else RefusedFile, as read_regular. The fd blocks as usual."""
+    path = os.fspath(path)
+    fd, st = _open_regular(path, os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW), what, fix)
+    os.set_blocking(fd, True)
+    return fd, st
+
+
 def read_regular(path: str | os.PathLike, limit: int, what: str, fix: str, follow_symlinks: bool = False,
                  owner_only: bool = False) -> bytes:
     """The bytes of `path` if it is a regular file of at most `limit` bytes; else RefusedFile, worded

@@ -8,9 +8,11 @@ credential files others may read or change.
 from __future__ import annotations
 
 import os
+import struct
+import time
 from pathlib import Path
 
-from bad_input.frame import Attempt, Ctx, Outcome, Row, Setup, place_itself, worker_exit
+from bad_input.frame import Attempt, Ctx, Outcome, Row, Setup, cli, place_itself, worker_exit
 
 
 def _flag(arg: str) -> Attempt:
@@ -38,6 +40,53 @@ def _refuse_records(target: Path, ctx: Ctx) -> Outcome:
     return worker_exit(lambda: _refuse_foreign(str(target.parent)))
 
 
+def _data_file(make) -> Setup:
+    """A data set whose decode cache exists, then its images file replaced by make(path)."""
+    def setup(place: Path) -> Path:
+        from elastic_mnist.data.mnist import load_split, write_synthetic_mnist
+
+        root = write_synthetic_mnist(place / "data", n_train=100, n_test=20)
+        load_split(str(root), True, cache_dir=place / "cache")
+        path = root / "MNIST" / "raw" / "train-images-idx3-ubyte"
+        path.unlink()
+        make(path)
+        return path
+    return setup
+
+
+def _sparse(size: int, dims: tuple[int, ...] = (100, 28, 28)):
+    """An IDX header of `dims`, then nothing: a sparse file of `size` bytes (no disk taken)."""
+    def make(path: Path) -> None:
+        with open(path, "wb") as f:
+            f.write(struct.pack(f">I{len(dims)}I", 0x800 + len(dims), *dims))
+            f.truncate(size)
+    return make
+
+
+def _quickly(attempt: Attempt) -> Attempt:
+    def timed(target: Path, ctx: Ctx) -> Outcome:
+        started = time.monotonic()
+        outcome = attempt(target, ctx)
+        assert time.monotonic() - started < 10, "refused at once, nothing read or hashed"
+        return outcome
+    return timed
+
+
+@_quickly
+def _load(target: Path, ctx: Ctx) -> Outcome:
+    from elastic_mnist.data.mnist import load_split
+
+    return worker_exit(lambda: load_split(str(target.parents[2]), True, cache_dir=target.parents[3] / "cache"))
+
+
+@_quickly
+def _preflight(target: Path, ctx: Ctx) -> Outcome:
+    return cli(ctx, ["preflight", "--rdzv-endpoint=127.0.0.1:1", "--data-dir", str(target.parents[2]),
+                     "--checkpoint-dir", str(target.parents[3] / "ckpt")])
+
+
+_HUGE = 200 << 30
+_OVER_CAP = (2_000_000, 28, 28)
 _FOREIGN_LINE = ("--checkpoint-dir … holds 1 file(s) under names elastic-mnist writes there that it did not write "
                  "(e.g. {}); it never moves, replaces or deletes them: move them away, or pass another "
                  "--checkpoint-dir")
@@ -51,4 +100,21 @@ LIMITS = [
         _record("finished.json", b'{"done": true}\n'), _refuse_records),
     Row("`--checkpoint-dir`", "a FIFO named `.generation`", _FOREIGN_LINE.format(".generation"),
         "the FIFO and the checkpoint beside it", "78", _record(".generation", None), _refuse_records),
+    Row("`--data-dir` file `train-images-idx3-ubyte`", "a FIFO (a decode cache of the real file beside it)",
+        "MNIST file …/train-images-idx3-ubyte is a FIFO (named pipe), not a regular file; re-download MNIST or "
+        "point --data-dir at a good copy", "the FIFO and the cache", "78", _data_file(os.mkfifo), _load),
+    Row("`--data-dir` file `train-images-idx3-ubyte`", "a sparse 200 GiB file behind a header of 100 images",
+        "MNIST file …/train-images-idx3-ubyte cannot be decoded: it is 214748364800 bytes, its header says 78416 "
+        "(truncated?); re-download MNIST or point --data-dir at a good copy", "the file and the cache", "78",
+        _data_file(_sparse(_HUGE)), _load),
+    Row("`--data-dir` file `train-images-idx3-ubyte`", "a sparse file of the size its header promises, 1.5 GB",
+        "MNIST file …/train-images-idx3-ubyte is 1,568,000,016 bytes, over the cap of 1,073,741,824 for an MNIST "
+        "file; re-download MNIST or point --data-dir at a good copy", "the file and the cache", "78",
+        _data_file(_sparse(16 + 2_000_000 * 784, _OVER_CAP)), _load),
+    Row("`elastic-mnist preflight --data-dir`", "a FIFO in a file's place",
+        "preflight: data: FAILED (permanent, exit 78): MNIST file …/train-images-idx3-ubyte is a FIFO (named "
+        "pipe), not a regular file", "the FIFO", "78", _data_file(os.mkfifo), _preflight),
+    Row("`elastic-mnist preflight --data-dir`", "a sparse 200 GiB file",
+        "preflight: data: FAILED (permanent, exit 78): MNIST file …/train-images-idx3-ubyte cannot be decoded: it "
+        "is 214748364800 bytes, its header says 78416", "the file", "78", _data_file(_sparse(_HUGE)), _preflight),
 ]
