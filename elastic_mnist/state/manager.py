@@ -121,6 +121,7 @@ class CheckpointManager:
             if self.writes:
                 checkpoint.ensure_writable(config.checkpoint_dir)
                 _refuse_foreign(config.checkpoint_dir)
+                checkpoint.refuse_other_key(config.checkpoint_dir, self.key)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
                                          self.metrics.warn, self.key, held)
         except UserError as e:

@@ -22,6 +22,7 @@ from elastic_mnist.state.format import (
     CheckpointError,
     decode,
     encode,
+    key_mismatch,
     list_checkpoints,
     path_for,
     read_checkpoint,
@@ -55,12 +56,13 @@ class Verifier:
 
     def set_aside(self, path: str, problem: str) -> bool:
         """Move a file of ours that does not verify into corrupt/ (kept for whoever wants to look at it);
-        one this runtime did not write stays where it is (False)."""
-        if not written_here(path):
+        one this runtime did not write, or wrote with another key (a secret added, dropped or changed: not
+        damage), stays where it is (False)."""
+        if not written_here(path) or key_mismatch(path, self.key):
             if path not in self._foreign:
                 self._foreign.add(path)
-                self.warn(f"warning: {path} was not written by elastic-mnist ({problem}); left where it is, and "
-                          "ignored")
+                self.warn(f"warning: {path} was not written by elastic-mnist with this run's key ({problem}); "
+                          "left where it is, and ignored")
             return False
         aside = os.path.join(os.path.dirname(path), CORRUPT_DIR)
         os.makedirs(aside, exist_ok=True)

@@ -85,6 +85,70 @@ def _preflight(target: Path, ctx: Ctx) -> Outcome:
                      "--checkpoint-dir", str(target.parents[3] / "ckpt")])
 
 
+def _run_config(place: Path):
+    from elastic_mnist.config import TrainConfig
+
+    return TrainConfig(global_batch_size=32, max_steps=30, checkpoint_every=10, hidden=16, log_every=1000,
+                       checkpoint_dir=str(place / "ckpt"), log_dir=str(place / "runs"), snapshot_dir="")
+
+
+def _run_data():
+    import torch
+
+    from elastic_mnist.data.mnist import Split
+
+    gen = torch.Generator().manual_seed(0)
+    return (Split(torch.randn(320, 784, generator=gen), torch.randint(0, 10, (320,), generator=gen)),
+            Split(torch.randn(32, 784, generator=gen), torch.randint(0, 10, (32,), generator=gen)))
+
+
+def _secret(place: Path, name: str | None) -> str:
+    """The path of a secret file named `name` (made once, mode 0600) in place; "" for None (no secret)."""
+    if name is None:
+        return ""
+    path = place / f"secret-{name}"
+    if not path.exists():
+        path.write_text(name * 32 + "\n")
+        path.chmod(0o600)
+    return str(path)
+
+
+def _trained_with(secret: str | None) -> Setup:
+    """Steps 10, 20 and 30 saved by a run with the secret `secret` (None: without one)."""
+    def setup(place: Path) -> Path:
+        from trainers import in_process_trainer
+
+        from elastic_mnist.job_secret import SECRET_FILE_ENV
+
+        saved = os.environ.pop(SECRET_FILE_ENV, None)
+        try:
+            if secret is not None:
+                os.environ[SECRET_FILE_ENV] = _secret(place, secret)
+            in_process_trainer(_run_config(place), *_run_data()).train()
+        finally:
+            os.environ.pop(SECRET_FILE_ENV, None)
+            if saved is not None:
+                os.environ[SECRET_FILE_ENV] = saved
+        return place / "ckpt"
+    return setup
+
+
+def _resume_with(secret: str | None) -> Attempt:
+    def attempt(target: Path, ctx: Ctx) -> Outcome:
+        from trainers import in_process_trainer
+
+        from elastic_mnist.job_secret import SECRET_FILE_ENV
+
+        ctx.monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+        if secret is not None:
+            ctx.monkeypatch.setenv(SECRET_FILE_ENV, _secret(target.parent, secret))
+        return worker_exit(lambda: in_process_trainer(_run_config(target.parent), *_run_data()))
+    return attempt
+
+
+_KEY_LINE = ("--checkpoint-dir …/ckpt holds 3 checkpoint(s) (e.g. ckpt-000000030.pt) {}: the job's secret changed "
+             "between runs. To resume, {}; for a new run, pass another directory. Nothing was moved or changed")
+_KEPT = "steps 10-30 where they were (no `corrupt/`)"
 _HUGE = 200 << 30
 _OVER_CAP = (2_000_000, 28, 28)
 _FOREIGN_LINE = ("--checkpoint-dir … holds 1 file(s) under names elastic-mnist writes there that it did not write "
@@ -92,6 +156,17 @@ _FOREIGN_LINE = ("--checkpoint-dir … holds 1 file(s) under names elastic-mnist
                  "--checkpoint-dir")
 
 LIMITS = [
+    Row("`--checkpoint-dir`, `$ELASTIC_MNIST_RDZV_SECRET_FILE`", "a run with a secret on checkpoints saved without",
+        _KEY_LINE.format("written without a job secret, and this run has one", "run without it (drop secret_file "
+                         "from --rdzv-conf, unset $ELASTIC_MNIST_RDZV_SECRET_FILE)"), _KEPT, "78",
+        _trained_with(None), _resume_with("a")),
+    Row("`--checkpoint-dir`, `$ELASTIC_MNIST_RDZV_SECRET_FILE`", "a run without a secret on checkpoints keyed with one",
+        _KEY_LINE.format("keyed with a job secret, and this run has none", "run with the job's secret (--rdzv-conf "
+                         "secret_file=FILE or $ELASTIC_MNIST_RDZV_SECRET_FILE)"), _KEPT, "78",
+        _trained_with("a"), _resume_with(None)),
+    Row("`--checkpoint-dir`, `$ELASTIC_MNIST_RDZV_SECRET_FILE`", "a run with another secret than the checkpoints'",
+        _KEY_LINE.format("keyed with another job secret than this run's", "run with the secret that wrote them"),
+        _KEPT, "78", _trained_with("a"), _resume_with("b")),
     Row("`--seed`", "`100000000000000` (any number past its range: every int and float flag has one)",
         "--seed 100000000000000 is out of range (at most 4294967295); give a smaller value, such as the default 0",
         "nothing written", "78", place_itself, _flag("--seed=100000000000000")),
