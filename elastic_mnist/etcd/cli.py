@@ -93,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary, tls=tls,
-                        auth=args.auth or None) as server:
+        server = EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary, tls=tls,
+                            auth=args.auth or None)
+        if server.auth:  # every credential file is checked (or made) before etcd starts and sets up auth
+            private_token_file(server.credential_file("rdzv-secret"))
+        with server:
             v2 = "v2 API enabled" if server.enable_v2 else "v3 API only"
             print(f"etcd ready at {server.endpoint} ({v2}) — pass --rdzv-endpoint={server.endpoint}"
                   f"{_conf_hint(server)} (pid {server.pid}, data {server.data_dir}, log {server.log_path})",

@@ -12,7 +12,8 @@ import struct
 import time
 from pathlib import Path
 
-from bad_input.frame import Attempt, Ctx, Outcome, Row, Setup, cli, place_itself, worker_exit
+from bad_input.files import _etcd_cli, _planted
+from bad_input.frame import Attempt, Ctx, Outcome, Row, Setup, cli, place_itself, rdzv, worker_exit
 
 
 def _flag(arg: str) -> Attempt:
@@ -192,4 +193,62 @@ LIMITS = [
     Row("`elastic-mnist preflight --data-dir`", "a sparse 200 GiB file",
         "preflight: data: FAILED (permanent, exit 78): MNIST file …/train-images-idx3-ubyte cannot be decoded: it "
         "is 214748364800 bytes, its header says 78416", "the file", "78", _data_file(_sparse(_HUGE)), _preflight),
+]
+
+
+def _private(name: str, mode: int, owner: int | None = None) -> Setup:
+    """A credential file `name` of `mode` (and `owner`), beside the other TLS files a client key needs."""
+    def setup(place: Path) -> Path:
+        for other in ("ca.pem", "cert.pem"):
+            (place / other).write_text("-----BEGIN CERTIFICATE-----\n")
+        (place / name).write_text("s" * 32 + "\n")
+        os.chmod(place / name, mode)
+        if owner is not None:
+            os.chown(place / name, owner, owner)
+        return place / name
+    return setup
+
+
+def _worker_secret(target: Path, ctx: Ctx) -> Outcome:
+    from elastic_mnist.job_secret import SECRET_FILE_ENV, from_env
+
+    return worker_exit(lambda: from_env({SECRET_FILE_ENV: str(target)}))
+
+
+def _etcd_refused_before_start(target: Path, ctx: Ctx) -> Outcome:
+    outcome = _etcd_cli("--auth")(target, ctx)
+    made = sorted(p.name for p in target.parent.iterdir() if p.name.startswith("etcd"))
+    assert made == ["etcd.rdzv-secret"], f"etcd started or set up something: {made}"
+    return outcome
+
+
+def _path(target: Path) -> str:
+    return str(target)
+
+
+_MODE_FIX = "has mode {:04o}: others may read or change it; make it private: chmod 600 …"
+CREDENTIALS = [
+    Row("`--rdzv-conf secret_file=`", "a file of mode 0666",
+        "the rendezvous secret file (from secret_file) … " + _MODE_FIX.format(0o666), "the file (its mode too)",
+        "raises EtcdV3ConfigError", _private("rdzv-secret", 0o666), rdzv(secret_file=_path)),
+    Row("`$ELASTIC_MNIST_RDZV_SECRET_FILE` (the worker)", "a file of mode 0644",
+        "the rendezvous secret file (from $ELASTIC_MNIST_RDZV_SECRET_FILE) … " + _MODE_FIX.format(0o644),
+        "the file", "78", _private("rdzv-secret", 0o644), _worker_secret),
+    Row("`--rdzv-conf password_file=`", "a file of mode 0640",
+        "the etcd password file (from password_file) … " + _MODE_FIX.format(0o640), "the file",
+        "raises EtcdV3ConfigError", _private("job-password", 0o640),
+        rdzv(user="elastic-mnist", password_file=_path)),
+    Row("`--rdzv-conf password_file=`", "a file of mode 0600 of another user (root only)",
+        "the etcd password file (from password_file) … belongs to uid 65534, not to this user (uid 0) or root; make "
+        "it this user's and private: chown 0 …; chmod 600 …", "the file", "raises EtcdV3ConfigError",
+        _private("job-password", 0o600, 65534), rdzv(user="elastic-mnist", password_file=_path), needs="root"),
+    Row("`--rdzv-conf key=`", "a client key of mode 0644",
+        "TLS file … " + _MODE_FIX.format(0o644), "the file", "raises EtcdV3ConfigError", _private("key.pem", 0o644),
+        rdzv(protocol="https", cacert=lambda t: str(t.parent / "ca.pem"), cert=lambda t: str(t.parent / "cert.pem"),
+             key=_path)),
+    Row("`elastic-mnist etcd --auth --data-dir D`", "`D.rdzv-secret` planted with mode 0644",
+        "elastic-mnist etcd: error: credential file ….rdzv-secret has mode 0644: others may read or change it; "
+        "remove it to have a new one generated, or make it yours with mode 0600 (chown, chmod 600)",
+        "the planted file; etcd is not started, no password made", "2", _planted("rdzv-secret"),
+        _etcd_refused_before_start),
 ]
