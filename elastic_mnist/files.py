@@ -1,6 +1,8 @@
 """Writing a file so that readers see the old content or the new, never half of it: the one helper
 that checkpoints (state/), the summary (metrics.py), the data cache (data/) and etcd's secrets use.
-And its mirror for readers, `read_regular`: a regular file of bounded size, or one line saying why not.
+And its mirror for readers, `read_regular`: a regular file of bounded size, or one line saying why not
+(`open_regular` for a reader that bounds what it reads itself; `credential_problem`, the one rule for a
+file holding a password, secret or key).
 
     python -c "from elastic_mnist.files import atomic_write; atomic_write('/tmp/x.json', '{}\\n')"
     python -c "from elastic_mnist.files import read_regular; read_regular('/dev/zero', 64, 'a key', 'use a file')"

@@ -22,6 +22,7 @@ import threading
 from elastic_mnist import exit_codes
 from elastic_mnist.errors import UserError
 from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, private_token_file
+from elastic_mnist.files import RefusedFile, read_regular
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -52,6 +53,14 @@ def _tls(args: argparse.Namespace) -> dict[str, str] | None:
     if not args.cert_file:
         return None
     tls = {"cert_file": args.cert_file, "key_file": args.key_file}
+    if args.client_cert_auth:  # our own probes then present the server's pair: a key we read, checked now
+        try:
+            read_regular(args.key_file, 1 << 20, "TLS key file", "give the PEM file itself", follow_symlinks=True,
+                         credential=True)
+        except RefusedFile as exc:
+            raise UserError(str(exc)) from None
+        except OSError as exc:
+            raise UserError(f"cannot read the TLS key file {args.key_file!r}: {exc.strerror or exc}") from None
     return {**tls, "trusted_ca_file": args.trusted_ca_file} if args.trusted_ca_file else tls
 
 

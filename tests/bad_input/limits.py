@@ -251,4 +251,14 @@ CREDENTIALS = [
         "remove it to have a new one generated, or make it yours with mode 0600 (chown, chmod 600)",
         "the planted file; etcd is not started, no password made", "2", _planted("rdzv-secret"),
         _etcd_refused_before_start),
+    Row("`elastic-mnist etcd --client-cert-auth --key-file`", "a server key of mode 0644 (its probes present it)",
+        "elastic-mnist etcd: error: TLS key file … " + _MODE_FIX.format(0o644), "the file; etcd is not started", "2",
+        _private("key.pem", 0o644), lambda target, ctx: _no_etcd(target, _etcd_cli(
+            "--cert-file", str(target.parent / "cert.pem"), "--key-file", str(target),
+            "--trusted-ca-file", str(target.parent / "ca.pem"), "--client-cert-auth")(target, ctx))),
 ]
+
+
+def _no_etcd(target: Path, outcome: Outcome) -> Outcome:
+    assert not [p for p in target.parent.iterdir() if p.name.startswith("etcd")], "etcd started"
+    return outcome
