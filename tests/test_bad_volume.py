@@ -110,12 +110,25 @@ def test_a_keyed_digest_refuses_planted_and_unkeyed_files_before_unpickling(tmp_
     assert not isinstance(e.value, checkpoint.KeyMismatch)
 
 
-def test_a_file_of_the_keyed_format_before_key_names_still_verifies():
-    key = checkpoint.checkpoint_key(b"s" * 32)
-    payload = checkpoint.encode({"step": 3})[checkpoint._HEADER.size:]
-    legacy = checkpoint._HEADER.pack(checkpoint.MAGIC, checkpoint.KEYED_VERSION,
-                                     hmac.new(key, payload, hashlib.sha256).digest()) + payload
-    assert checkpoint.decode(legacy, "k", key)["step"] == 3
+def _unnamed(state: dict, key: bytes) -> bytes:
+    """A checkpoint in the keyed format before key names (version 2)."""
+    payload = checkpoint.encode(state)[checkpoint._HEADER.size:]
+    return checkpoint._HEADER.pack(checkpoint.MAGIC, checkpoint.KEYED_VERSION,
+                                   hmac.new(key, payload, hashlib.sha256).digest()) + payload
+
+
+def test_a_file_of_the_keyed_format_before_key_names_still_verifies(tmp_path):
+    key, other = checkpoint.checkpoint_key(b"s" * 32), checkpoint.checkpoint_key(b"t" * 32)
+    assert checkpoint.decode(_unnamed({"step": 3}, key), "k", key)["step"] == 3
+    for step in (10, 20):
+        checkpoint.write_durable(checkpoint.path_for(str(tmp_path), step), _unnamed({"step": step}, other))
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(UserError, match="holds 2 checkpoint.* keyed with another job secret than this run's"):
+        checkpoint.refuse_other_key(str(tmp_path), key)
+    # One that verifies proves the key: the other is damage, skipped (and moved aside by a save) as before.
+    checkpoint.write_durable(checkpoint.path_for(str(tmp_path), 5), _unnamed({"step": 5}, key))
+    checkpoint.refuse_other_key(str(tmp_path), key)
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, "ckpt-000000005.pt"])
 
 
 def test_a_file_of_another_key_is_never_moved_aside_by_a_save(tmp_path):

@@ -231,9 +231,26 @@ def key_error(what: str, problem: str) -> UserError:
                      "pass another directory. Nothing was moved or changed")
 
 
+def _unnamed_keys(directory: str, key: bytes | None) -> list[tuple[str, str]]:
+    """Keyed files of the format before key names (version 2), when not one of them verifies with `key`:
+    written with another secret (damage spares some). One that verifies proves the key; the rest is damage."""
+    if key is None:
+        return []
+    unnamed = [path for _, path in list_checkpoints(directory)
+               if _head(path)[len(MAGIC):len(MAGIC) + 4] == KEYED_VERSION.to_bytes(4, "big")]
+    for path in unnamed:
+        try:
+            verified_payload(read_checkpoint(path), path, key)
+            return []
+        except (CheckpointError, OSError):
+            continue
+    return [(path, "keyed with another job secret than this run's") for path in unnamed]
+
+
 def refuse_other_key(directory: str, key: bytes | None, flag: str = "--checkpoint-dir") -> None:
     """Every checkpoint of ours in `directory` must be of this run's key: a UserError (key_error) otherwise."""
     found = [(path, why) for _, path in list_checkpoints(directory) if (why := key_mismatch(path, key))]
+    found += _unnamed_keys(directory, key)
     if found:
         path, why = found[0]
         raise key_error(f"{flag} {directory} holds {len(found)} checkpoint(s) (e.g. {os.path.basename(path)})", why)
