@@ -1,6 +1,8 @@
 """Writing a file so that readers see the old content or the new, never half of it: the one helper
 that checkpoints (state/), the summary (metrics.py), the data cache (data/) and etcd's secrets use.
-And its mirror for readers, `read_regular`: a regular file of bounded size, or one line saying why not.
+And its mirror for readers, `read_regular`: a regular file of bounded size, or one line saying why not
+(`open_regular` for a reader that bounds what it reads itself; `credential_problem`, the one rule for a
+file holding a password, secret or key).
 
     python -c "from elastic_mnist.files import atomic_write; atomic_write('/tmp/x.json', '{}\\n')"
     python -c "from elastic_mnist.files import read_regular; read_regular('/dev/zero', 64, 'a key', 'use a file')"
@@ -149,22 +151,47 @@ def _open_regular(path: str, flags: int, what: str, fix: str, mode: int = 0o644)
     return fd, st
 
 
+def open_regular(path: str | os.PathLike, what: str, fix: str,
+                 follow_symlinks: bool = False) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of `path` opened for reading if it is a regular file, for a reader that bounds what it
+    reads itself (the caller closes the fd); else RefusedFile, as read_regular. The fd blocks as usual."""
+    path = os.fspath(path)
+    fd, st = _open_regular(path, os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW), what, fix)
+    os.set_blocking(fd, True)
+    return fd, st
+
+
+def credential_problem(path: str, st: os.stat_result) -> tuple[str, str] | None:
+    """(why, fix) when a credential file (a password, a secret, a private key) with this stat may not be
+    trusted, else None. Its owner must be this user or root, and nobody else may change or read it. One
+    exception, what a Kubernetes Secret volume holds: a file of root's that its group may also read, where
+    that group is one of this process's own (the pod's fsGroup: kubelet adds group read to defaultMode)."""
+    me, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (me, 0):
+        return (f"belongs to uid {st.st_uid}, not to this user (uid {me}) or root",
+                f"make it this user's and private: chown {me} {path}; chmod 600 {path}")
+    ours_by_group = st.st_uid == 0 != me and st.st_gid in {os.getegid(), *os.getgroups()}
+    if mode & 0o027 or (mode & 0o040 and not ours_by_group):
+        return f"has mode {mode:04o}: others may read or change it", f"make it private: chmod 600 {path}"
+    return None
+
+
 def read_regular(path: str | os.PathLike, limit: int, what: str, fix: str, follow_symlinks: bool = False,
-                 owner_only: bool = False) -> bytes:
+                 credential: bool = False, credential_fix: str = "") -> bytes:
     """The bytes of `path` if it is a regular file of at most `limit` bytes; else RefusedFile, worded
     "{what} {path} {why}; {fix}". Opened O_NONBLOCK, so a FIFO or device in its place is refused at
     once instead of blocking (or, like /dev/zero, never ending), and O_NOFOLLOW unless `follow_symlinks`
     (a path the operator named may be a symlink: Kubernetes projects a Secret's keys as symlinks into
     `..data/`, kubernetes pkg/volume/util/atomic_writer.go, AtomicWriter.createUserVisibleFiles).
-    `owner_only`: also refused unless this user owns it and nobody else may read or write it (a credential
-    someone else could have planted or read). Other OSErrors (missing, no permission) pass through."""
+    `credential`: also refused when credential_problem says so (a password, secret or key someone else could
+    have planted, changed or read), with its fix or `credential_fix`. Other OSErrors (missing, no permission)
+    pass through."""
     path = os.fspath(path)
     fd, st = _open_regular(path, os.O_RDONLY | (0 if follow_symlinks else os.O_NOFOLLOW), what, fix)
     try:
-        if owner_only and st.st_uid != os.geteuid():
-            raise RefusedFile(what, path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})", fix)
-        if owner_only and st.st_mode & 0o077:
-            raise RefusedFile(what, path, f"has mode {st.st_mode & 0o777:04o}: others may read or change it", fix)
+        problem = credential_problem(path, st) if credential else None
+        if problem:
+            raise RefusedFile(what, path, problem[0], credential_fix or problem[1])
         if st.st_size > limit:
             raise RefusedFile(what, path, f"is {st.st_size:,} bytes, over its cap of {limit:,}", fix, too_large=True)
         data = _read_at_most(fd, st.st_size, limit)

@@ -16,22 +16,23 @@ from elastic_mnist.files import RefusedFile, read_regular
 SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096  # `openssl rand -hex 32` writes 65 bytes: 4 KiB holds any key, and no /dev/zero
-SECRET_FIX = "give a regular file holding the key, e.g. `openssl rand -hex 32 > FILE`"
+SECRET_FIX = "give a regular file holding the key, e.g. `(umask 077; openssl rand -hex 32 > FILE)`"
 
 
 def read(path: str, source: str) -> bytes:
     """The key in a file (surrounding whitespace, e.g. a trailing newline, is not part of it). A symlink is
-    followed (a Kubernetes Secret's keys are symlinks); anything but a regular file is refused unread."""
+    followed (a Kubernetes Secret's keys are symlinks); anything but a regular file is refused unread, and so
+    is a file someone else may read or change (files.credential_problem)."""
     try:
         key = read_regular(path, MAX_SECRET_BYTES, f"the rendezvous secret file (from {source})", SECRET_FIX,
-                           follow_symlinks=True).strip()
+                           follow_symlinks=True, credential=True).strip()
     except RefusedFile as exc:
         raise UserError(str(exc)) from None
     except OSError as exc:
         raise UserError(f"cannot read the rendezvous secret file {path!r} (from {source}): {exc.strerror}") from None
     if len(key) < MIN_SECRET_BYTES:
         raise UserError(f"the rendezvous secret in {path!r} (from {source}) is {len(key)} bytes; use at least "
-                        f"{MIN_SECRET_BYTES} random bytes, e.g. `openssl rand -hex 32 > {path}`")
+                        f"{MIN_SECRET_BYTES} random bytes, e.g. `(umask 077; openssl rand -hex 32 > {path})`")
     return key
 
 

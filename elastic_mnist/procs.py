@@ -213,3 +213,49 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+class BestEffortStream:
+    """sys.stdout or sys.stderr whose writes never fail: progress lines are best effort. The first write or
+    flush that the OS refuses (the reader of a pipe went away: `| head`, an agent's closed pipe) points the
+    file descriptor at /dev/null, so this write, every later one (C code's included) and the interpreter's
+    flush at exit all succeed. Anything else is the stream's own."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._silence()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self._silence()
+
+    def _silence(self) -> None:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self._stream.fileno())
+            finally:
+                os.close(null)
+            self._stream.flush()  # what stayed buffered goes to /dev/null now
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def best_effort_console() -> None:
+    """Make this process's stdout and stderr best effort (BestEffortStream), once; a stream something else put
+    in their place (a test's capture) is left alone."""
+    for name, original in (("stdout", sys.__stdout__), ("stderr", sys.__stderr__)):
+        stream = getattr(sys, name)
+        if stream is not None and stream is original:
+            setattr(sys, name, BestEffortStream(stream))

@@ -23,6 +23,7 @@ temp data dir afterwards; etcd also dies with the test process (PR_SET_PDEATHSIG
 from __future__ import annotations
 
 import ipaddress
+import os
 import pickle
 import time
 import uuid
@@ -154,6 +155,7 @@ def write_test_pki(directory: Path) -> dict[str, str]:
     Path(paths["cert"]).write_bytes(cert.public_bytes(pem))
     Path(paths["key"]).write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
                                                      serialization.NoEncryption()))
+    os.chmod(paths["key"], 0o600)  # a private key: the client refuses one others may read
     return paths
 
 

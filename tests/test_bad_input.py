@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO, run_train, worker_env
 
 from elastic_mnist import exit_codes
-from elastic_mnist.config import TrainConfig, flag_name, parse_args
+from elastic_mnist.config import POSITIVE, RANGES, TrainConfig, flag_name, parse_args
 from elastic_mnist.data.mnist import RAW_FILES, load_split, write_synthetic_mnist
 from elastic_mnist.errors import UserError
 
@@ -37,6 +37,40 @@ def test_a_non_finite_float_flag_is_one_error_naming_it(name, value):
         parse_args([f"{flag_name(name)}={value}"])
     message = str(e.value)
     assert message.startswith(f"{flag_name(name)} must be a finite number") and "\n" not in message, message
+
+
+NUMERIC_FIELDS = [f.name for f in fields(TrainConfig) if f.type in (int, float, "int", "float")]
+
+
+def test_every_numeric_field_has_a_range():
+    assert "seed" in NUMERIC_FIELDS and set(NUMERIC_FIELDS) == set(RANGES), "a new int or float field needs a range"
+
+
+def _outside(name: str) -> list:
+    """A value past each end of the field's range, as the field's type."""
+    low, top = RANGES[name]
+    kind = type(getattr(TrainConfig(), name))
+    return [kind(top * 2 + 1), kind(low if name in POSITIVE else low - 1)]
+
+
+@pytest.mark.parametrize("name", NUMERIC_FIELDS)
+def test_a_number_outside_its_range_is_one_error_naming_it(name):
+    for value in _outside(name):
+        with pytest.raises(UserError) as e:
+            parse_args([f"{flag_name(name)}={value}"])
+        message = str(e.value)
+        assert message.startswith(f"{flag_name(name)} ") and "\n" not in message and "default" in message, message
+
+
+def test_the_largest_seed_seeds_torch_and_the_data_plan():
+    from elastic_mnist.data.mnist import BatchPlan
+    from elastic_mnist.worker.model import build_model
+
+    seed = parse_args([f"--seed={RANGES['seed'][1]}"]).seed
+    build_model(8, seed)
+    assert len(BatchPlan(100, 10, seed).global_indices(10_000)) == 10, "every epoch's generator takes it"
+    with pytest.raises(UserError, match=r"--seed 100000000000000 is out of range \(at most 4294967295\)"):
+        parse_args(["--seed=100000000000000"])
 
 
 # Each malformed file, made from a good generated set: (file, what is done to it).

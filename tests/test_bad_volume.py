@@ -4,6 +4,8 @@ loader refuses; a keyed digest that refuses planted files."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 
 import pytest
@@ -92,14 +94,51 @@ def test_a_keyed_digest_refuses_planted_and_unkeyed_files_before_unpickling(tmp_
     key, other = checkpoint.checkpoint_key(b"s" * 32), checkpoint.checkpoint_key(b"t" * 32)
     blob = checkpoint.encode({"step": 1}, key)
     assert checkpoint.decode(blob, "k", key)["step"] == 1
-    with pytest.raises(CheckpointError, match="digest mismatch"):
+    with pytest.raises(checkpoint.KeyMismatch, match="keyed with another job secret than this run's"):
         checkpoint.decode(blob, "k", other)
-    with pytest.raises(CheckpointError, match="keyed with a job secret, and this job has none"):
+    with pytest.raises(checkpoint.KeyMismatch, match="keyed with a job secret, and this run has none"):
         checkpoint.decode(blob, "k")
     # Unkeyed, with a payload that is no pickle at all: refused by its header, the loader never runs.
     unkeyed = checkpoint.encode({"step": 1})[:44] + b"\x00garbage"
-    with pytest.raises(CheckpointError, match="not keyed with this job's secret"):
+    with pytest.raises(checkpoint.KeyMismatch, match="written without a job secret, and this run has one"):
         checkpoint.decode(unkeyed, "k", key)
+    # Our key's name copied into a file keyed otherwise (it is no secret): the HMAC refuses it, as damage.
+    forged = bytearray(checkpoint.encode({"step": 1}, other))
+    forged[12:20] = blob[12:20]
+    with pytest.raises(CheckpointError, match="digest mismatch") as e:
+        checkpoint.decode(bytes(forged), "k", key)
+    assert not isinstance(e.value, checkpoint.KeyMismatch)
+
+
+def _unnamed(state: dict, key: bytes) -> bytes:
+    """A checkpoint in the keyed format before key names (version 2)."""
+    payload = checkpoint.encode(state)[checkpoint._HEADER.size:]
+    return checkpoint._HEADER.pack(checkpoint.MAGIC, checkpoint.KEYED_VERSION,
+                                   hmac.new(key, payload, hashlib.sha256).digest()) + payload
+
+
+def test_a_file_of_the_keyed_format_before_key_names_still_verifies(tmp_path):
+    key, other = checkpoint.checkpoint_key(b"s" * 32), checkpoint.checkpoint_key(b"t" * 32)
+    assert checkpoint.decode(_unnamed({"step": 3}, key), "k", key)["step"] == 3
+    for step in (10, 20):
+        checkpoint.write_durable(checkpoint.path_for(str(tmp_path), step), _unnamed({"step": step}, other))
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(UserError, match="holds 2 checkpoint.* keyed with another job secret than this run's"):
+        checkpoint.refuse_other_key(str(tmp_path), key)
+    # One that verifies proves the key: the other is damage, skipped (and moved aside by a save) as before.
+    checkpoint.write_durable(checkpoint.path_for(str(tmp_path), 5), _unnamed({"step": 5}, key))
+    checkpoint.refuse_other_key(str(tmp_path), key)
+    assert sorted(os.listdir(tmp_path)) == sorted([*before, "ckpt-000000005.pt"])
+
+
+def test_a_file_of_another_key_is_never_moved_aside_by_a_save(tmp_path):
+    key = checkpoint.checkpoint_key(b"s" * 32)
+    for step in (10, 20):
+        checkpoint.write_durable(checkpoint.path_for(str(tmp_path), step), checkpoint.encode({"step": step}))
+    warnings: list[str] = []
+    CheckpointWriter(str(tmp_path), keep=1, key=key, warn=warnings.append).save({"step": 30}, 30, block=True)
+    assert _steps(tmp_path) == [30, 20, 10] and not (tmp_path / CORRUPT_DIR).exists()
+    assert len(warnings) == 2 and all("left where it is" in w for w in warnings)
 
 
 def test_snapshots_on_a_full_tmpfs_turn_off_with_one_line_and_leave_nothing(tmp_path, capsys):
@@ -175,12 +214,21 @@ def test_the_sweep_never_removes_a_live_runs_snapshots(tmp_path):
 def test_with_a_job_secret_the_worker_keys_its_checkpoints_and_refuses_planted_ones(tmp_path, monkeypatch):
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(16).hex())
+    secret.chmod(0o600)
     monkeypatch.setenv(job_secret.SECRET_FILE_ENV, str(secret))
     in_process_trainer(_config(tmp_path, max_steps=20), *_data()).train()
-    planted = checkpoint.encode(checkpoint.load_latest(str(tmp_path / "ckpt"), key=_key(secret))[0] | {"step": 900})
-    (tmp_path / "ckpt" / "ckpt-000000900.pt").write_bytes(planted)  # a valid state, but unkeyed
+    state = checkpoint.load_latest(str(tmp_path / "ckpt"), key=_key(secret))[0] | {"step": 900}
+    # Keyed with another secret under this job's key name (copied from a header): skipped as damage.
+    forged = bytearray(checkpoint.encode(state, checkpoint.checkpoint_key(b"x" * 32)))
+    forged[12:20] = (tmp_path / "ckpt" / "ckpt-000000020.pt").read_bytes()[12:20]
+    (tmp_path / "ckpt" / "ckpt-000000900.pt").write_bytes(bytes(forged))
     assert in_process_trainer(_config(tmp_path, max_steps=30), *_data()).progress.step == 20
-    with pytest.raises(CheckpointError, match="keyed with a job secret"):
+    # Unkeyed: another key than the run's, a configuration error naming it; nothing moved.
+    (tmp_path / "ckpt" / "ckpt-000000900.pt").write_bytes(checkpoint.encode(state))
+    with pytest.raises(UserError, match="written without a job secret, and this run has one"):
+        in_process_trainer(_config(tmp_path, max_steps=40), *_data())
+    assert 900 in _steps(tmp_path / "ckpt") and not (tmp_path / "ckpt" / CORRUPT_DIR).exists()
+    with pytest.raises(checkpoint.KeyMismatch, match="keyed with a job secret"):
         checkpoint.decode((tmp_path / "ckpt" / "ckpt-000000020.pt").read_bytes())
 
 

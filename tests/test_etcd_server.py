@@ -278,7 +278,9 @@ def test_etcd_auth_command_sets_up_an_open_etcd_idempotently(etcd_server_v3only:
                                                              tmp_path: Path) -> None:
     """What the Kubernetes etcd pod runs: passwords from files, safe to run again on every start."""
     (tmp_path / "root").write_text("root-secret-1\n")
+    (tmp_path / "root").chmod(0o600)
     (tmp_path / "job").write_text("job-secret-1\n")
+    (tmp_path / "job").chmod(0o600)
     cmd = [sys.executable, "-m", "elastic_mnist", "etcd-auth", "--endpoint", etcd_server_v3only.endpoint,
            "--root-password-file", str(tmp_path / "root"), "--password-file", str(tmp_path / "job"), "--wait", "30"]
     for _ in range(2):

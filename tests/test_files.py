@@ -100,3 +100,22 @@ def test_read_regular_follows_a_symlink_only_when_asked(tmp_path):
 def test_read_regular_passes_other_errors_through(tmp_path):
     with pytest.raises(FileNotFoundError):
         files.read_regular(tmp_path / "missing", 64, "the thing", "fix")
+
+
+def _stat(mode: int, uid: int, gid: int) -> os.stat_result:
+    return os.stat_result((0o100000 | mode, 1, 1, 1, uid, gid, 65, 0, 0, 0))
+
+
+def test_a_credential_is_trusted_only_when_nobody_else_may_read_or_change_it(monkeypatch):
+    from elastic_mnist.files import credential_problem
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getegid", lambda: 1000)
+    monkeypatch.setattr(os, "getgroups", lambda: [1000, 2000])
+    trusted = [(0o600, 1000, 1000), (0o400, 1000, 1000), (0o600, 0, 0), (0o440, 0, 2000)]  # the last: a Secret
+    refused = [(0o644, 1000, 1000), (0o640, 1000, 1000), (0o620, 1000, 1000), (0o606, 1000, 1000),
+               (0o440, 0, 3000), (0o444, 0, 2000), (0o460, 0, 2000), (0o600, 1001, 1000)]
+    assert [credential_problem("f", _stat(*case)) for case in trusted] == [None] * len(trusted)
+    problems = [credential_problem("f", _stat(*case)) for case in refused]
+    assert all(p and "chmod 600 f" in p[1] for p in problems), problems
+    assert "belongs to uid 1001, not to this user (uid 1000) or root" in problems[-1][0]

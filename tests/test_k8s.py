@@ -608,6 +608,36 @@ def test_trainer_pods_get_etcd_credentials_from_the_secret(variant, variants):
             assert env[name] == f"{m['mountPath']}/{key}"
 
 
+def _as_mounted(volume: dict, pod: dict) -> os.stat_result:
+    """A Secret volume's file as the kubelet leaves it: root's, of the pod's fsGroup, with defaultMode and
+    (with an fsGroup) group read added (kubernetes pkg/volume/volume_linux.go, SetVolumeOwnership)."""
+    group = pod["securityContext"].get("fsGroup")
+    mode = volume["secret"].get("defaultMode", 0o644) | (0o440 if group is not None else 0)
+    return os.stat_result((0o100000 | mode, 1, 1, 1, 0, group or 0, 65, 0, 0, 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_credential_files_our_manifests_mount_pass_the_readers_check(variant, variants, monkeypatch):
+    """The trainers' and the etcd-auth sidecar's credential files, as mounted, are what files.credential_problem
+    trusts for the pod's user, and the Kubernetes default (0644) would not be."""
+    from elastic_mnist.files import credential_problem
+
+    docs = variants[variant]
+    for workload, name in ((trainer_job(docs), "trainer"), (find(docs, "StatefulSet", "etcd"), "etcd-auth")):
+        pod, c = pod_spec(workload), container(workload, name)
+        ids = pod["securityContext"]
+        monkeypatch.setattr(os, "geteuid", lambda: ids["runAsUser"])
+        monkeypatch.setattr(os, "getegid", lambda: ids["runAsGroup"])
+        monkeypatch.setattr(os, "getgroups", lambda: [ids["fsGroup"]])
+        mounted = [v for v in pod["volumes"] if "secret" in v and v["secret"]["secretName"] == "elastic-mnist-etcd"
+                   and any(m["name"] == v["name"] for m in c["volumeMounts"])]
+        assert mounted, name
+        for volume in mounted:
+            assert credential_problem("f", _as_mounted(volume, pod)) is None, (name, volume)
+            default = {**volume, "secret": {**volume["secret"], "defaultMode": 0o644}}
+            assert credential_problem("f", _as_mounted(default, pod)) is not None
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_etcd_turns_on_least_privilege_auth_from_the_secret(variant, variants):
     """The etcd-auth sidecar: passwords from the Secret's files (never an argument), the job user limited

@@ -156,6 +156,7 @@ def test_etcd_credentials_from_the_environment(etcd_server_auth, small_mnist, tm
     monkeypatch.setenv("ELASTIC_MNIST_ETCD_USER", "elastic-mnist")
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-password\n")
+    wrong.chmod(0o600)
     monkeypatch.setenv("ELASTIC_MNIST_ETCD_PASSWORD_FILE", str(wrong))
     code, lines = checks(launch)
     assert code == PERMANENT and "wrong user name or password" in failed(lines)[0], lines

@@ -30,3 +30,20 @@ def test_signal_tree_reaches_every_process_below_the_root():
         if root.poll() is None:
             root.kill()
             root.wait()
+
+
+def test_a_best_effort_console_survives_closed_pipes_to_the_interpreter_exit():
+    """stdout and stderr both pipes without a reader: every write, and the flush at exit, succeed."""
+    import os
+    import sys
+
+    code = ("from elastic_mnist import procs; procs.best_effort_console(); import sys; print('x' * 100000); "
+            "sys.stderr.write('y'); print('z', end=''); sys.exit(7)")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        run = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=write_end, timeout=60,
+                             env=procs.child_env())
+    finally:
+        os.close(write_end)
+    assert run.returncode == 7, "the exit code the program chose: no BrokenPipeError, no failed flush at exit"

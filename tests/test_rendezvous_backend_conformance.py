@@ -86,6 +86,7 @@ def connect(request: pytest.FixtureRequest, etcd_server_v3only: EtcdServer,
     if request.param == "sealed":
         secret = tmp_path / "rdzv-secret"
         secret.write_text(secrets.token_hex(32))
+        secret.chmod(0o600)
         conf["secret_file"] = str(secret)
     return lambda: create_backend(rdzv_params(etcd_server_v3only.endpoint, RUN_ID, **conf))[0]
 

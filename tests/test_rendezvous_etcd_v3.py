@@ -276,7 +276,9 @@ def test_user_password_auth_enabled_with_etcdctl(etcd_server_v3only: EtcdServer,
         subprocess.run([etcdctl, f"--endpoints={server.client_url}", *args], check=True, capture_output=True,
                        timeout=60)
     (tmp_path / "pw").write_text("s3cret\n")  # as `echo s3cret > pw` writes it
+    (tmp_path / "pw").chmod(0o600)
     (tmp_path / "wrong").write_text("wrong")
+    (tmp_path / "wrong").chmod(0o600)
     handler = get_rendezvous_handler(rdzv_params(server.endpoint, user="root", password_file=str(tmp_path / "pw")))
     assert handler.next_rendezvous().world_size == 1
     handler.shutdown()

@@ -289,6 +289,7 @@ def test_bad_peer_probe_is_rejected_by_name_before_connecting(value: Any, messag
 @pytest.mark.slow
 def test_a_sigkilled_agent_is_reported_gone(etcd: EtcdServer, agents, tmp_path: Path) -> None:
     (tmp_path / "secret").write_text("0123456789abcdef0123456789abcdef\n")
+    (tmp_path / "secret").chmod(0o600)
     [agent], run_id = agents(1), "killed-agent"
     node = agent.ask("open", endpoint=etcd.endpoint, run_id=run_id, min=1, max=1,
                      secret_file=str(tmp_path / "secret"))["node"]

@@ -32,6 +32,7 @@ FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeou
 def _secret(tmp_path: Path) -> str:
     path = tmp_path / "rdzv-secret"
     path.write_text("s" * 32 + "\n")
+    path.chmod(0o600)
     return str(path)
 
 

@@ -69,6 +69,7 @@ def start_job(tmp_path: Path, server: EtcdServer, secret: bool, log_level: str =
             *([f"secret_file={tmp_path / 'rdzv-secret'}"] if secret else []), *(f"{k}={v}" for k, v in FAST.items())]
     if secret:
         (tmp_path / "rdzv-secret").write_text(os.urandom(32).hex() + "\n")
+        (tmp_path / "rdzv-secret").chmod(0o600)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--max-restarts=0",
            "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={server.endpoint}", "--rdzv-id=secure",
            f"--rdzv-conf={','.join(conf)}", "--monitor-interval=0.2", "--local-addr=127.0.0.1",
@@ -136,6 +137,7 @@ def test_sealed_state_binds_the_secret_and_the_key(tmp_path: Path, auth_etcd: Et
     user, password_file = "elastic-mnist", str(auth_etcd.credential_file("job-password"))
     for name in ("a", "b"):
         (tmp_path / name).write_text(name * 32)
+        (tmp_path / name).chmod(0o600)
     conn = {"user": user, "password_file": password_file}
     sealed, _ = create_backend(rdzv_params(auth_etcd.endpoint, "job1", secret_file=str(tmp_path / "a"), **conn))
     leaked = (tmp_path / "a").read_bytes()  # even a valid MAC cannot carry code: the unpickler still checks
@@ -216,6 +218,7 @@ def test_credentials_come_from_the_environment(auth_etcd: EtcdServer, monkeypatc
 def test_status_command_reads_credentials_and_secret_from_the_environment(tmp_path: Path,
                                                                           auth_etcd: EtcdServer) -> None:
     (tmp_path / "secret").write_text("s" * 32)
+    (tmp_path / "secret").chmod(0o600)
     env = child_env(ELASTIC_MNIST_ETCD_USER="elastic-mnist", ELASTIC_MNIST_RDZV_SECRET_FILE=str(tmp_path / "secret"),
                     ELASTIC_MNIST_ETCD_PASSWORD_FILE=str(auth_etcd.credential_file("job-password")))
     conn = {"user": "elastic-mnist", "password_file": env["ELASTIC_MNIST_ETCD_PASSWORD_FILE"]}
@@ -227,6 +230,7 @@ def test_status_command_reads_credentials_and_secret_from_the_environment(tmp_pa
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert result.returncode == 0 and "round 0, joining; 0 participant(s) (state verified)" in result.stdout, result
     (tmp_path / "secret").write_text("t" * 32)  # another job's secret: the state does not verify
+    (tmp_path / "secret").chmod(0o600)
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert result.returncode == 2 and "HMAC does not verify" in result.stderr and result.stderr.count("\n") == 1
 

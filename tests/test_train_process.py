@@ -199,3 +199,21 @@ def _popen_worker(args: list[str], **env: str) -> subprocess.Popen:
 def _listens(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_closed_stdout_does_not_end_training(small_mnist, tmp_path):
+    """`elastic-mnist train ... | head -2`: the reader is gone before the first progress line; the worker
+    trains to the end all the same (its lines go nowhere) and writes its summary."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to the pipe now fails with EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "elastic_mnist.train",
+                              *_args(small_mnist, tmp_path, "p", "--max-steps", "12", "--log-every", "1")],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300, env=worker_env(),
+                             cwd=REPO)
+    finally:
+        os.close(write_end)
+    assert run.returncode == 0, run.stderr
+    assert "BrokenPipeError" not in run.stderr
+    summary = json.loads((tmp_path / "p" / "runs" / "summary.json").read_text())
+    assert summary["global_step"] == 12

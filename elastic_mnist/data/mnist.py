@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from elastic_mnist import files
 from elastic_mnist.data import cache as mnist_cache
 from elastic_mnist.errors import UserError
 
@@ -101,6 +103,8 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
 
 def _load_cached(raw: Path, paths: list[Path], train: bool, cache_dir: str | Path | None) -> Split:
     """The mapped cache when a valid one exists; else decode and try to publish one for the next start."""
+    for path in paths:  # before a cache is trusted: its check hashes the raw files
+        check_idx(path)
     name = mnist_cache.cache_name(raw, train)
     places = mnist_cache.candidate_dirs(raw, cache_dir)
     for place in places:
@@ -136,27 +140,69 @@ def bad_file(path: Path, what: str) -> UserError:
     return UserError(f"MNIST file {path} {what}; {BAD_FILE_FIX}")
 
 
-def read_idx(path: Path) -> torch.Tensor:
-    """An unsigned-byte IDX file (MNIST's format) as a uint8 tensor; anything else is a UserError naming it."""
+# The largest IDX file read (MNIST's largest is 47 MB): a header may promise any size, and a sparse file
+# can have it without taking any disk.
+IDX_CAP = 1 << 30
+_IDX_HEAD = 4 + 4 * 255  # magic, then up to 255 dimensions
+
+
+def _open_idx(path: Path) -> tuple[int, int, tuple[int, ...]]:
+    """(fd, payload offset, dims) of an unsigned-byte IDX file whose size is what its header says, checked
+    before its payload is read; the fd is positioned at the payload. A FIFO, device or directory in the
+    file's place is refused unread (it could block or never end); a symlink is followed (a data set may be
+    one), to a regular file only."""
     try:
-        blob = path.read_bytes()
-    except OSError as e:  # a directory in its place, no read permission, an I/O error
+        fd, st = files.open_regular(path, "MNIST file", BAD_FILE_FIX, follow_symlinks=True)
+    except files.RefusedFile as e:
+        raise bad_file(path, e.why) from None
+    except OSError as e:  # no read permission, an I/O error
         raise bad_file(path, f"cannot be read ({e.strerror or e})") from None
-    if len(blob) < 4:
-        raise bad_file(path, f"cannot be decoded: it is {len(blob)} bytes, shorter than an IDX header (truncated?)")
-    magic, = struct.unpack_from(">I", blob)
+    try:
+        head = os.read(fd, _IDX_HEAD)
+        offset, dims = _idx_header(path, head, st.st_size)
+        os.lseek(fd, offset, os.SEEK_SET)
+        return fd, offset, dims
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _idx_header(path: Path, head: bytes, size: int) -> tuple[int, tuple[int, ...]]:
+    if size < 4 or len(head) < 4:
+        raise bad_file(path, f"cannot be decoded: it is {size} bytes, shorter than an IDX header (truncated?)")
+    magic, = struct.unpack_from(">I", head)
     if magic >> 8 != 0x08:
         raise bad_file(path, f"cannot be decoded: not an unsigned-byte IDX file (magic {magic:#x})")
     offset = 4 + 4 * (magic & 0xFF)
-    if len(blob) < offset:  # the dimension count promises more header than there is
-        raise bad_file(path, f"cannot be decoded: it is {len(blob)} bytes, its header needs {offset} (truncated?)")
-    dims = struct.unpack_from(f">{magic & 0xFF}I", blob, 4)
+    if size < offset or len(head) < offset:  # the dimension count promises more header than there is
+        raise bad_file(path, f"cannot be decoded: it is {size} bytes, its header needs {offset} (truncated?)")
+    dims = struct.unpack_from(f">{magic & 0xFF}I", head, 4)
     expected = offset + math.prod(dims)
-    if len(blob) != expected:
-        raise bad_file(path, f"cannot be decoded: it is {len(blob)} bytes, its header says {expected} (truncated?)")
-    if expected == offset:  # no samples: frombuffer refuses an empty buffer; read_split names the problem
+    if size != expected:
+        raise bad_file(path, f"cannot be decoded: it is {size} bytes, its header says {expected} (truncated?)")
+    if expected > IDX_CAP:
+        raise bad_file(path, f"is {expected:,} bytes, over the cap of {IDX_CAP:,} for an MNIST file")
+    return offset, dims
+
+
+def check_idx(path: Path) -> None:
+    """read_idx's checks without reading the payload: what must hold before the file is hashed or mapped."""
+    os.close(_open_idx(path)[0])
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An unsigned-byte IDX file (MNIST's format) as a uint8 tensor; anything else is a UserError naming it."""
+    fd, offset, dims = _open_idx(path)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            payload = f.read(math.prod(dims))
+        except OSError as e:
+            raise bad_file(path, f"cannot be read ({e.strerror or e})") from None
+    if len(payload) != math.prod(dims):  # it shrank while read
+        raise bad_file(path, f"cannot be decoded: its payload ended after {len(payload)} bytes (truncated?)")
+    if not payload:  # no samples: frombuffer refuses an empty buffer; read_split names the problem
         return torch.empty(dims, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(blob[offset:]), dtype=torch.uint8).reshape(dims)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).reshape(dims)
 
 
 def read_split(paths: list[Path]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import threading
 from elastic_mnist import exit_codes
 from elastic_mnist.errors import UserError
 from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, private_token_file
+from elastic_mnist.files import RefusedFile, read_regular
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -52,6 +53,14 @@ def _tls(args: argparse.Namespace) -> dict[str, str] | None:
     if not args.cert_file:
         return None
     tls = {"cert_file": args.cert_file, "key_file": args.key_file}
+    if args.client_cert_auth:  # our own probes then present the server's pair: a key we read, checked now
+        try:
+            read_regular(args.key_file, 1 << 20, "TLS key file", "give the PEM file itself", follow_symlinks=True,
+                         credential=True)
+        except RefusedFile as exc:
+            raise UserError(str(exc)) from None
+        except OSError as exc:
+            raise UserError(f"cannot read the TLS key file {args.key_file!r}: {exc.strerror or exc}") from None
     return {**tls, "trusted_ca_file": args.trusted_ca_file} if args.trusted_ca_file else tls
 
 
@@ -93,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary, tls=tls,
-                        auth=args.auth or None) as server:
+        server = EtcdServer(args.data_dir, args.host, args.port, not args.no_v2, args.etcd_binary, tls=tls,
+                            auth=args.auth or None)
+        if server.auth:  # every credential file is checked (or made) before etcd starts and sets up auth
+            private_token_file(server.credential_file("rdzv-secret"))
+        with server:
             v2 = "v2 API enabled" if server.enable_v2 else "v3 API only"
             print(f"etcd ready at {server.endpoint} ({v2}) — pass --rdzv-endpoint={server.endpoint}"
                   f"{_conf_hint(server)} (pid {server.pid}, data {server.data_dir}, log {server.log_path})",

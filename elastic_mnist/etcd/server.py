@@ -72,13 +72,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 def private_token_file(path: Path) -> str:
     """The token in `path`, created first (random, mode 0600, never overwritten) if it does not exist.
     Created whole (atomic_create): a second process starting at the same time reads the token, never ''.
-    An existing file is used only if it is a regular file (not a symlink) of this user that nobody else
-    may read or write: one planted by another user would otherwise become etcd's root password or the
-    job's secret. Anything else is refused with one line and left as it is."""
+    An existing file is used only if it is a regular file (not a symlink) that files.credential_problem
+    trusts (this user's or root's, nobody else may read or write it): one planted by another user would
+    otherwise become etcd's root password or the job's secret. Anything else is refused with one line and
+    left as it is."""
     atomic_create(path, secrets.token_urlsafe(32) + "\n", 0o600)  # False: it exists already, keep it
     fix = "remove it to have a new one generated, or make it yours with mode 0600 (chown, chmod 600)"
     try:
-        token = read_regular(path, TOKEN_CAP, "credential file", fix, owner_only=True).decode().strip()
+        token = read_regular(path, TOKEN_CAP, "credential file", fix, credential=True,
+                             credential_fix=fix).decode().strip()
     except RefusedFile as exc:
         raise UserError(str(exc)) from None
     except UnicodeDecodeError:

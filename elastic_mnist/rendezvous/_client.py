@@ -92,6 +92,7 @@ class EtcdConnectionSpec:
         for name, path in tls_files.items():
             if path and not os.path.isfile(path):
                 raise EtcdV3Error(f"{name} file {path!r} does not exist or is not a regular file")
+        _read(self.key, private=True)  # a private key others may read or change is refused before any connection
         if bool(self.user) != bool(self.password):
             raise EtcdV3Error(f"etcd authentication needs both user=NAME and password_file=PATH "
                               f"(or ${USER_ENV} and ${PASSWORD_FILE_ENV})")
@@ -125,12 +126,14 @@ def run_key(key_prefix: str | None, run_id: str, leaf: str) -> str:
 TLS_FILE_CAP = 1 << 20  # a CA bundle (the whole Mozilla set is ~220 KB), a certificate chain or a key
 
 
-def _read(path: str | None) -> bytes | None:
-    """A TLS file's bytes, bounded; a symlink is followed (Kubernetes mounts Secret keys as symlinks)."""
+def _read(path: str | None, private: bool = False) -> bytes | None:
+    """A TLS file's bytes, bounded; a symlink is followed (Kubernetes mounts Secret keys as symlinks). The
+    client key (`private`) is a credential: files.credential_problem must trust it."""
     if not path:
         return None
     try:
-        return read_regular(path, TLS_FILE_CAP, "TLS file", "give the PEM file itself", follow_symlinks=True)
+        return read_regular(path, TLS_FILE_CAP, "TLS file", "give the PEM file itself", follow_symlinks=True,
+                            credential=private)
     except RefusedFile as exc:
         raise EtcdV3Error(str(exc)) from None
 
@@ -151,7 +154,7 @@ class EtcdV3Client:
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
         s = self.spec
-        creds = grpc.ssl_channel_credentials(_read(s.cacert), _read(s.key), _read(s.cert)) \
+        creds = grpc.ssl_channel_credentials(_read(s.cacert), _read(s.key, private=True), _read(s.cert)) \
             if s.protocol == "https" else None
         # time_retry=0: etcd3 would otherwise refuse to reuse a failed endpoint for 300 s.
         ep = etcd3.Endpoint(s.host, s.port, secure=creds is not None, creds=creds, time_retry=0,

@@ -46,10 +46,12 @@ def credentials(user: str | None, password: str | None, password_file: str | Non
 
 def read_password(path: str, source: str = "--password-file") -> str:
     """A password file's text without its trailing newline (`echo pw > file` adds one). A symlink is followed
-    (a Kubernetes Secret's keys are symlinks); anything but a regular file is refused unread."""
+    (a Kubernetes Secret's keys are symlinks); anything but a regular file is refused unread, and so is a file
+    someone else may read or change (files.credential_problem)."""
     try:
         password = read_regular(path, MAX_PASSWORD_BYTES, f"the etcd password file (from {source})",
-                                "give a regular file holding the password", follow_symlinks=True).decode()
+                                "give a regular file holding the password", follow_symlinks=True,
+                                credential=True).decode()
         password = password.rstrip("\r\n")
     except RefusedFile as exc:
         raise EtcdV3Error(str(exc)) from None

@@ -13,7 +13,11 @@ from elastic_mnist.files import read_regular
 from elastic_mnist.state.format import write_durable
 
 GENERATION_FILE = ".generation"
+FINISHED_FILE = "finished.json"
 RECORD_CAP = 64 * 1024  # both records are one JSON line of ~100 bytes
+# The keys each record of ours holds: a file under one of these names without them is another program's.
+RECORD_KEYS = {GENERATION_FILE: {"token", "pid", "world_size", "time"},
+               FINISHED_FILE: {"step", "total_steps", "test_accuracy", "run_id", "time"}}
 
 
 def _record(directory: str, name: str):
@@ -46,7 +50,22 @@ def generation_is(directory: str, token: str) -> bool:
         return True  # unreadable: no evidence of a newer group
 
 
-FINISHED_FILE = "finished.json"
+def foreign_records(directory: str) -> list[str]:
+    """Paths of the records this runtime replaces (the fence, the finished marker) that it did not write: not
+    a regular file, a symlink, or not one of its JSON records. Replacing them would destroy another program's
+    file, so the directory is refused at start (state/manager.py)."""
+    found = []
+    for name, keys in RECORD_KEYS.items():
+        path = os.path.join(directory, name)
+        if not os.path.lexists(path):
+            continue
+        try:
+            record = _record(directory, name)
+        except (OSError, ValueError):
+            record = None
+        if not isinstance(record, dict) or not keys <= set(record):
+            found.append(path)
+    return found
 
 
 def write_finished(directory: str, record: dict) -> None:

@@ -5,7 +5,10 @@
 File `ckpt-{step:09d}.pt` = 8-byte magic, u32 format version, a 32-byte digest of the payload, then the
 payload (torch.save of a dict of tensors and plain values, loaded with weights_only=True). Version 1's
 digest is the payload's sha256; version 2's is an HMAC-SHA256 keyed with the job's secret, so a file
-planted by someone without the secret is refused before it is unpickled. Written to a temp
+planted by someone without the secret is refused before it is unpickled; version 3 (what a job with a
+secret writes) holds 8 bytes naming the key (derived from it, so they tell nothing of it), then the HMAC's
+first 24 bytes. A file of another key than the run's (keyed in a run without a secret, plain in one with,
+keyed with another secret) is a configuration error (KeyMismatch), never a corrupt file. Written to a temp
 file, fsynced, then published under its name without replacing an existing one (a hard link, or
 elastic_mnist.state.publish's fallback on filesystems without them): a name, once it exists, always holds a
 complete, verified file, and a late writer (a node that woke from a freeze) can never replace it.
@@ -35,7 +38,9 @@ from elastic_mnist.state import publish
 
 MAGIC = b"EMNISTCK"
 FORMAT_VERSION = 1
-KEYED_VERSION = 2
+KEYED_VERSION = 2  # read, no longer written: its header does not say which key
+KEY_ID_VERSION = 3
+_KEY_ID = 8  # bytes of the digest field that name the key, in version 3
 _HEADER = struct.Struct(">8sI32s")
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 # A state is written from the same registered objects every time, so two files of one job differ by a few
@@ -51,25 +56,48 @@ class CheckpointError(Exception):
     """A checkpoint file that is truncated, corrupt or not ours."""
 
 
+class KeyMismatch(CheckpointError):
+    """A checkpoint of this job's format keyed otherwise than this run: the secret was added, dropped or
+    changed between runs. Not a damaged file: it is never skipped, moved aside or pruned."""
+
+
 def checkpoint_key(secret: bytes | None) -> bytes | None:
     """The digest key of a job with a secret (derived, so it is never the key that seals the rendezvous)."""
     return hmac.new(secret, b"elastic-mnist checkpoint digest", hashlib.sha256).digest() if secret else None
 
 
-def _digest(payload, key: bytes | None) -> bytes:
-    return hmac.new(key, payload, hashlib.sha256).digest() if key else hashlib.sha256(payload).digest()
+def _key_id(key: bytes) -> bytes:
+    return hmac.new(key, b"elastic-mnist checkpoint key id", hashlib.sha256).digest()[:_KEY_ID]
+
+
+def _digest(payload, key: bytes | None, version: int = KEY_ID_VERSION) -> bytes:
+    if not key:
+        return hashlib.sha256(payload).digest()
+    mac = hmac.new(key, payload, hashlib.sha256).digest()
+    return mac if version == KEYED_VERSION else _key_id(key) + mac[:32 - _KEY_ID]
 
 
 def encode(state: dict, key: bytes | None = None) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
-    return _HEADER.pack(MAGIC, KEYED_VERSION if key else FORMAT_VERSION, _digest(payload, key)) + payload
+    return _HEADER.pack(MAGIC, KEY_ID_VERSION if key else FORMAT_VERSION, _digest(payload, key)) + payload
 
 
 def digest_of(blob: bytes) -> str:
     """The payload digest stored in the header: identifies a state without decoding it."""
     return blob[_HEADER.size - 32:_HEADER.size].hex()
+
+
+def key_problem(version: int, digest: bytes, key: bytes | None) -> str | None:
+    """Why a header of `version` does not belong to a run keyed with `key` (None: it may)."""
+    if version == FORMAT_VERSION and key is not None:
+        return "written without a job secret, and this run has one"
+    if version in (KEYED_VERSION, KEY_ID_VERSION) and key is None:
+        return "keyed with a job secret, and this run has none"
+    if version == KEY_ID_VERSION and digest[:_KEY_ID] != _key_id(key):
+        return "keyed with another job secret than this run's"
+    return None
 
 
 def verified_payload(blob: bytes, name: str = "checkpoint", key: bytes | None = None) -> memoryview:
@@ -79,13 +107,13 @@ def verified_payload(blob: bytes, name: str = "checkpoint", key: bytes | None = 
     magic, version, digest = _HEADER.unpack_from(blob)
     if magic != MAGIC:
         raise CheckpointError(f"{name}: not an elastic-mnist checkpoint")
-    if version not in (FORMAT_VERSION, KEYED_VERSION):
-        raise CheckpointError(f"{name}: format version {version}, this code reads {FORMAT_VERSION} and {KEYED_VERSION}")
-    if (version == KEYED_VERSION) != (key is not None):
-        raise CheckpointError(f"{name}: " + ("keyed with a job secret, and this job has none" if key is None else
-                                              "not keyed with this job's secret (planted, or from a job without one)"))
+    if version not in (FORMAT_VERSION, KEYED_VERSION, KEY_ID_VERSION):
+        raise CheckpointError(f"{name}: format version {version}, this code reads {FORMAT_VERSION} to {KEY_ID_VERSION}")
+    problem = key_problem(version, digest, key)
+    if problem:
+        raise KeyMismatch(f"{name}: {problem}")
     payload = memoryview(blob)[_HEADER.size:]
-    if not hmac.compare_digest(_digest(payload, key), digest):
+    if not hmac.compare_digest(_digest(payload, key, version), digest):
         raise CheckpointError(f"{name}: " + ("digest mismatch (corrupt, or keyed with another secret)" if key else
                                               "checksum mismatch (truncated or corrupt)"))
     return payload
@@ -180,24 +208,77 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def written_here(path: str) -> bool:
-    """Whether a file under a checkpoint name was written by this runtime (it starts with MAGIC), whatever
-    became of the rest of it: only such files are ever moved aside or deleted."""
+def _head(path: str) -> bytes:
+    """The first bytes of a regular file (up to a header), b"" for anything else; nothing blocks or follows."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
-        return False
+        return b""
     try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+        return os.read(fd, _HEADER.size) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     except OSError:
-        return False
+        return b""
     finally:
         os.close(fd)
+
+
+def written_here(path: str) -> bool:
+    """Whether a file under a checkpoint name was written by this runtime (it starts with MAGIC), whatever
+    became of the rest of it: only such files are ever moved aside or deleted."""
+    return _head(path).startswith(MAGIC)
 
 
 def foreign_files(directory: str) -> list[str]:
     """Files under checkpoint names that this runtime did not write (another program's, or a planted one)."""
     return [path for _, path in list_checkpoints(directory) if not written_here(path)]
+
+
+def key_mismatch(path: str, key: bytes | None) -> str | None:
+    """Why a checkpoint of ours belongs to another key than `key`, from its header alone; None if it may not."""
+    head = _head(path)
+    if len(head) < _HEADER.size or not head.startswith(MAGIC):
+        return None
+    _, version, digest = _HEADER.unpack_from(head)
+    return key_problem(version, digest, key)
+
+
+_KEY_FIXES = {
+    "has one": "run without it (drop secret_file from --rdzv-conf, unset $ELASTIC_MNIST_RDZV_SECRET_FILE)",
+    "has none": "run with the job's secret (--rdzv-conf secret_file=FILE or $ELASTIC_MNIST_RDZV_SECRET_FILE)",
+    "run's": "run with the secret that wrote them",
+}
+
+
+def key_error(what: str, problem: str) -> UserError:
+    """The one line for checkpoints of another key: `what` names them ("checkpoint PATH is", "DIR holds 3 ...")."""
+    fix = next(fix for end, fix in _KEY_FIXES.items() if problem.endswith(end))
+    return UserError(f"{what} {problem}: the job's secret changed between runs. To resume, {fix}; for a new run, "
+                     "pass another directory. Nothing was moved or changed")
+
+
+def _unnamed_keys(directory: str, key: bytes | None) -> list[tuple[str, str]]:
+    """Keyed files of the format before key names (version 2), when not one of them verifies with `key`:
+    written with another secret (damage spares some). One that verifies proves the key; the rest is damage."""
+    if key is None:
+        return []
+    unnamed = [path for _, path in list_checkpoints(directory)
+               if _head(path)[len(MAGIC):len(MAGIC) + 4] == KEYED_VERSION.to_bytes(4, "big")]
+    for path in unnamed:
+        try:
+            verified_payload(read_checkpoint(path), path, key)
+            return []
+        except (CheckpointError, OSError):
+            continue
+    return [(path, "keyed with another job secret than this run's") for path in unnamed]
+
+
+def refuse_other_key(directory: str, key: bytes | None, flag: str = "--checkpoint-dir") -> None:
+    """Every checkpoint of ours in `directory` must be of this run's key: a UserError (key_error) otherwise."""
+    found = [(path, why) for _, path in list_checkpoints(directory) if (why := key_mismatch(path, key))]
+    found += _unnamed_keys(directory, key)
+    if found:
+        path, why = found[0]
+        raise key_error(f"{flag} {directory} holds {len(found)} checkpoint(s) (e.g. {os.path.basename(path)})", why)
 
 
 def write_durable(path: str, data: bytes, replace: bool = False) -> bool:
@@ -224,6 +305,8 @@ def iter_valid(directory: str, warn: Callable[[str], None] = print, key: bytes |
         try:
             blob = read_checkpoint(path)
             state = decode(blob, path, key)
+        except KeyMismatch as e:  # a configuration error, not a damaged file: nothing is skipped
+            raise key_error(f"checkpoint {path} is", str(e).removeprefix(f"{path}: ")) from None
         except CheckpointError as e:  # its message starts with the path
             warn(f"warning: skipping checkpoint {e}")
             continue

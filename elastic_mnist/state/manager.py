@@ -127,6 +127,7 @@ class CheckpointManager:
                 self.writer.if_room(lambda: checkpoint.ensure_writable(config.checkpoint_dir))
                 refuse_foreign(config.checkpoint_dir,
                                NodeLocalError if config.checkpoint_storage == "local" else UserError)
+                checkpoint.refuse_other_key(config.checkpoint_dir, self.key)
             mine = state_sync.best_local(config.checkpoint_dir, self.snapshots.readable, self.snapshot.origin,
                                          self.metrics.warn, self.key, held)
         except UserError as e:

@@ -26,6 +26,7 @@ from elastic_mnist.state.format import (
     decode,
     encode,
     foreign_files,
+    key_mismatch,
     list_checkpoints,
     path_for,
     read_checkpoint,
@@ -64,14 +65,15 @@ class Verifier:
 
     def set_aside(self, path: str, problem: str) -> bool:
         """Move a file of ours that does not verify into corrupt/ (kept for whoever wants to look at it);
-        one this runtime did not write, or one only too large to read here now, stays where it is (False)."""
+        one this runtime did not write, or wrote with another key (a secret added, dropped or changed: not
+        damage), or one only too large to read here now, stays where it is (False)."""
         if path in self._too_large:
             return False  # the read-time warning named it; a size is no sign of damage
-        if not written_here(path):
+        if not written_here(path) or key_mismatch(path, self.key):
             if path not in self._foreign:
                 self._foreign.add(path)
-                self.warn(f"warning: {path} was not written by elastic-mnist ({problem}); left where it is, and "
-                          "ignored")
+                self.warn(f"warning: {path} was not written by elastic-mnist with this run's key ({problem}); "
+                          "left where it is, and ignored")
             return False
         aside = os.path.join(os.path.dirname(path), CORRUPT_DIR)
         os.makedirs(aside, exist_ok=True)
@@ -109,13 +111,16 @@ def prune(directory: str, keep: int, protect: str = "", verifier: Verifier | Non
 
 def refuse_foreign(directory: str, error: type[UserError] = UserError) -> None:
     """A checkpoint name held by another program's file would block the save of that step, and the runtime
-    moves or deletes only files it wrote: such a directory is refused at start (with `error`: a node-local
-    directory's problem ends that node only)."""
-    foreign = foreign_files(directory)
+    moves, replaces or deletes only files it wrote (a `.generation` or `finished.json` of another program
+    would be replaced): such a directory is refused at start (with `error`: a node-local directory's problem
+    ends that node only)."""
+    from elastic_mnist.state import fence  # fence writes through this module's format: imported when used
+
+    foreign = foreign_files(directory) + fence.foreign_records(directory)
     if foreign:
-        raise error(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under checkpoint names that "
-                        f"elastic-mnist did not write (e.g. {os.path.basename(foreign[0])}); it never moves or deletes "
-                        "them: move them away, or pass another --checkpoint-dir")
+        raise error(f"--checkpoint-dir {directory} holds {len(foreign)} file(s) under names elastic-mnist writes "
+                    f"there that it did not write (e.g. {os.path.basename(foreign[0])}); it never moves, replaces "
+                    "or deletes them: move them away, or pass another --checkpoint-dir")
 
 
 class CheckpointWriter:

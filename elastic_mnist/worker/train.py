@@ -38,6 +38,7 @@ __all__ = ["build_trainer", "launch", "main"]
 def main(argv: list[str] | None = None, task: Task | None = None) -> int:
     """The worker; `task` is what is trained (default: the MNIST MLP). Your own model: examples/."""
     marks = {"process_start": time.time() - process_age_s(), "imports": time.time()}
+    procs.best_effort_console()  # a closed stdout (`| head`, an agent's pipe gone) never ends training
     stop = stop_signals.for_process()  # installed before the slow start-up (by -m elastic_mnist.train: before
     # torch loads): a preemption during it is still a graceful stop
     if distributed.read_env().launched and procs.STARTED_AT_ENV not in os.environ:  # a warm child's parent is

@@ -12,7 +12,9 @@ from __future__ import annotations
 from bad_input.dirs import DIRS
 from bad_input.earlier import EARLIER
 from bad_input.files import CACHE, CHECKPOINTS, ETCD, SECRETS
+from bad_input.limits import CREDENTIALS, LIMITS
 from bad_input.rendezvous import RDZV_CONF, REPLAYS, TRANSFER
 from bad_input.storage import STORAGE
 
-ROWS = [*DIRS, *CHECKPOINTS, *STORAGE, *SECRETS, *ETCD, *CACHE, *RDZV_CONF, *REPLAYS, *TRANSFER, *EARLIER]
+ROWS = [*DIRS, *CHECKPOINTS, *STORAGE, *SECRETS, *ETCD, *CACHE, *RDZV_CONF, *REPLAYS, *TRANSFER, *EARLIER, *LIMITS,
+        *CREDENTIALS]

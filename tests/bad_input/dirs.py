@@ -121,11 +121,12 @@ DIRS = [
         "'old-project'); the runtime never changes or sweeps a directory it did not create",
         "its mode (0755), `old-project/` (a month old: never swept)", "goes on", _project, _snapshots_into),
     Row("`--checkpoint-dir`", "another program's file named `ckpt-000000010.pt`",
-        "--checkpoint-dir … holds 1 file(s) under checkpoint names that elastic-mnist did not write (e.g. "
-        "ckpt-000000010.pt); it never moves or deletes them: move them away, or pass another --checkpoint-dir",
+        "--checkpoint-dir … holds 1 file(s) under names elastic-mnist writes there that it did not write (e.g. "
+        "ckpt-000000010.pt); it never moves, replaces or deletes them: move them away, or pass another "
+        "--checkpoint-dir",
         "the file, where it was", "78", _foreign_checkpoint, _refuse_checkpoints()),
     Row("`--checkpoint-dir` with `--checkpoint-storage local`", "the same file, on this node's own disk",
-        "--checkpoint-dir … holds 1 file(s) under checkpoint names that elastic-mnist did not write",
+        "--checkpoint-dir … holds 1 file(s) under names elastic-mnist writes there that it did not write",
         "the file, where it was; the other nodes train on", "69", _foreign_checkpoint,
         _refuse_checkpoints("local")),
     Row("`--checkpoint-dir`", "a regular file (or a path through one): unusable on this node",

@@ -114,11 +114,11 @@ CHECKPOINTS = [
 SECRETS = [
     Row("`--rdzv-conf secret_file=`", "`/dev/zero`",
         "the rendezvous secret file (from secret_file) /dev/zero is a character device, not a regular file; give a "
-        "regular file holding the key, e.g. `openssl rand -hex 32 > FILE`",
+        "regular file holding the key, e.g. `(umask 077; openssl rand -hex 32 > FILE)`",
         "nothing read", "raises EtcdV3ConfigError", place_itself, rdzv(secret_file="/dev/zero")),
     Row("`--rdzv-conf secret_file=`", "a 1 MiB file",
         "the rendezvous secret file (from secret_file) … is 1,048,576 bytes, over its cap of 4,096",
-        "the file", "raises EtcdV3ConfigError", file_with("big", b"k" * (1 << 20)),
+        "the file", "raises EtcdV3ConfigError", file_with("big", b"k" * (1 << 20), 0o600),
         rdzv(secret_file=lambda target: str(target))),
     Row("`$ELASTIC_MNIST_RDZV_SECRET_FILE` (the worker)", "a FIFO",
         "the rendezvous secret file (from $ELASTIC_MNIST_RDZV_SECRET_FILE) … is a FIFO (named pipe), not a "

@@ -189,9 +189,10 @@ def place_itself(place: Path) -> Path:
     return place
 
 
-def file_with(name: str, data: bytes) -> Setup:
+def file_with(name: str, data: bytes, mode: int = 0o644) -> Setup:
     def setup(place: Path) -> Path:
         (place / name).write_bytes(data)
+        os.chmod(place / name, mode)
         return place / name
     return setup
 

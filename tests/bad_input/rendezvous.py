@@ -60,6 +60,7 @@ def _backend(ctx, target: Path, run_id: str, secret: bytes | None = SECRET):
     if secret is not None:
         path = target.parent / f"{run_id}-{secret[:1].decode()}.secret"
         path.write_bytes(secret)
+        path.chmod(0o600)
         conf["secret_file"] = str(path)
     return create_backend(rdzv_params(ctx.etcd.endpoint, run_id, **conf))
 

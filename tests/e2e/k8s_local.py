@@ -135,6 +135,7 @@ class Cluster:
         secret_dir = root / "secret"  # the Secret elastic-mnist-etcd, as mounted
         secret_dir.mkdir(parents=True, exist_ok=True)
         (secret_dir / "rdzv-secret").write_text(secrets.token_hex(32))
+        (secret_dir / "rdzv-secret").chmod(0o600)
         if server.auth:
             shutil.copy(server.credential_file("job-password"), secret_dir / "job-password")
         self.dropped_env = () if server.auth else DROPPED_ENV

@@ -18,6 +18,7 @@ def test_a_planted_master_addr_is_ignored_and_the_job_trains_on(small_mnist, tmp
     run_id = "sealed-store"
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
     planter = raw_client(etcd_server_v3only)
     store = run_key(None, run_id, "store")
     for round_ in range(3):  # the rounds this job can reach: the agents' first, and restarts
