@@ -36,9 +36,9 @@ def _record(name: str, data: bytes | None) -> Setup:
 
 
 def _refuse_records(target: Path, ctx: Ctx) -> Outcome:
-    from elastic_mnist.state.manager import _refuse_foreign
+    from elastic_mnist.state.writer import refuse_foreign
 
-    return worker_exit(lambda: _refuse_foreign(str(target.parent)))
+    return worker_exit(lambda: refuse_foreign(str(target.parent)))
 
 
 def _data_file(make) -> Setup:
