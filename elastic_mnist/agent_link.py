@@ -188,13 +188,14 @@ def take_round_over(where: str) -> bool:
         return False
 
 
-def end_process(code: int, environ=os.environ) -> NoReturn:
+def end_process(code: int, environ=os.environ, stopped: bool = False) -> NoReturn:
     """Exit with `code`. A process its etcd-v3 agent started, whose round ended for a membership change
-    (RESTART), first leaves ROUND_OVER for the agent and waits until the agent takes it (or stops it)."""
+    (RESTART), first leaves ROUND_OVER for the agent and waits until the agent takes it (or stops it).
+    `stopped`: a stop signal already came (the agent is stopping its workers, or the node ends): no wait."""
     with suppress(Exception):  # a closed or broken pipe must not keep the process alive
         sys.stdout.flush()
         sys.stderr.flush()
-    if code == exit_codes.RESTART and _started_by_agent(environ):
+    if code == exit_codes.RESTART and not stopped and _started_by_agent(environ):
         path = _note(ROUND_OVER, environ)
         stopping = os.path.join(os.path.dirname(path), STOPPING)
         if path and not os.path.exists(stopping):

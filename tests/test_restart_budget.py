@@ -113,7 +113,7 @@ def test_a_stale_note_does_not_restart_the_next_round(tmp_path):
     assert budget.num_nodes_waiting() == 0
 
 
-def _child_ending(tmp_path, code: int):
+def _child_ending(tmp_path, code: int, stopped: bool = False):
     import os
     import subprocess
     import sys
@@ -121,7 +121,7 @@ def _child_ending(tmp_path, code: int):
     from elastic_mnist import procs
 
     env = procs.child_env(**{agent_link.AGENT_DIR_ENV: str(tmp_path), procs.AGENT_PID_ENV: str(os.getpid())})
-    program = f"from elastic_mnist import agent_link; agent_link.end_process({code})"
+    program = f"from elastic_mnist import agent_link; agent_link.end_process({code}, stopped={stopped})"
     return subprocess.Popen([sys.executable, "-c", program], env=env)
 
 
@@ -153,3 +153,10 @@ def test_a_worker_ending_while_its_agent_stops_it_does_not_wait(tmp_path):
     assert not (tmp_path / agent_link.ROUND_OVER).exists()
     budget.next_rendezvous()
     assert not (tmp_path / agent_link.STOPPING).exists(), "the next round's workers wait for their agent again"
+
+
+def test_a_worker_already_told_to_stop_does_not_wait(tmp_path):
+    """Its agent stops its workers without asking for waiting nodes (another local worker failed, or the node
+    ends): the stop signal came first, so the round's end is the process's end at once."""
+    assert _child_ending(tmp_path, exit_codes.RESTART, stopped=True).wait(timeout=10) == exit_codes.RESTART
+    assert not (tmp_path / agent_link.ROUND_OVER).exists()

@@ -84,6 +84,7 @@ class Forwarder:
         self.forwarded: int | None = None
         self.stop_s, self.deadline = stop_s, float("inf")
         self.timer: threading.Timer | None = None  # ends everything at the stop deadline
+        self.stopped = threading.Event()  # set by the first signal: a node-local hold ends with it
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -91,6 +92,7 @@ class Forwarder:
         if self.received is not None:
             return
         self.received, self.deadline = signum, time.monotonic() + self.stop_s
+        self.stopped.set()
         name = signal.Signals(signum).name
         if not self.started:
             _say(f"{name} before torchrun started: nothing to save, exit {exit_codes.killed_by(signum)}")
@@ -207,7 +209,7 @@ def run(argv: list[str]) -> int:
         if verdict is not None:
             return verdict
         if code == exit_codes.NODE_LOCAL:  # this node gave up; the job goes on without it
-            hold_node_local(lambda line: print(line, flush=True), "elastic-mnist pod")
+            hold_node_local(lambda line: print(line, flush=True), "elastic-mnist pod", forwarder.stopped)
     finished = forwarder.forwarded is not None and finished_line(config.checkpoint_dir, config.max_steps) is not None
     return exit_code(code, forwarder.forwarded, finished)
 

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -217,7 +218,7 @@ def run_checks(launch: Launch, say=print) -> int:
     return _wait_for_etcd(launch, say)
 
 
-def hold_node_local(say, who: str = "preflight") -> None:
+def hold_node_local(say, who: str = "preflight", stop: threading.Event | None = None) -> None:
     """Stay running $ELASTIC_MNIST_NODE_LOCAL_HOLD_S before a node-local exit (preflight's, or the pod's when
     its node gave up): the pod is not terminal yet, so the Job creates no replacement until the start
     watchdog has had two sweeps to mark this node."""
@@ -228,7 +229,7 @@ def hold_node_local(say, who: str = "preflight") -> None:
         return
     if hold > 0:
         say(f"{who}: holding {hold:.0f}s before exit {NODE_LOCAL}, so that this node is marked first")
-        time.sleep(hold)  # a bounded wait for an outside actor (the watchdog), not synchronization
+        (stop or threading.Event()).wait(hold)  # a bounded wait for an outside actor (the watchdog); a stop ends it
 
 
 def _wait_for_etcd(launch: Launch, say) -> int:

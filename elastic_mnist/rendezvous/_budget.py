@@ -54,8 +54,9 @@ class RestartBudget:
         return waiting
 
     def next_rendezvous(self):
-        if self._joined and not self._free and not agent_link.config_error(self._dir):
-            self._crashed()  # a config error is the job's, not this node's: _verdict.py ends the job
+        if self._joined and not self._free and not (agent_link.config_error(self._dir) or
+                                                     agent_link.node_local(self._dir)):
+            self._crashed()  # those end the job or this node with their own line (_verdict.py)
         self._joined, self._free = True, False
         agent_link.take_round_over(self._dir)  # a note from a worker stopped before its agent took it
         agent_link.mark_stopping(self._dir, False)

@@ -32,11 +32,13 @@ class _StandIn:
     def __init__(self) -> None:
         self.pending: list[int] = []
         self.pidfd: int | None = None
+        self.signalled = False  # a stop came (from the agent, as a rule): the round's end need not wait for it
         self.saved = {sig: signal.getsignal(sig) for sig in FORWARDED}
         for sig in FORWARDED:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        self.signalled = True
         if self.pidfd is None:
             self.pending.append(signum)
         else:
@@ -88,7 +90,7 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     except (OSError, EOFError, _wire.WireError):
         pass
     if "exit" in first:  # the worker built for this agent already ended on a configuration error, said once
-        _finish(int(first["exit"]))
+        _finish(int(first["exit"]), stand_in.signalled)
     if "pid" not in first:
         sock.close()
         stand_in.give_back()
@@ -97,7 +99,8 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
         return
     sock.settimeout(None)
     stand_in.attach(int(first["pid"]))
-    _finish(_wait(sock, stand_in.pidfd))
+    code = _wait(sock, stand_in.pidfd)
+    _finish(code, stand_in.signalled)
 
 
 def _wait(sock: socket.socket, pidfd: int) -> int:
@@ -118,10 +121,10 @@ def _wait(sock: socket.socket, pidfd: int) -> int:
     return exit_codes.FAILURE
 
 
-def _finish(code: int) -> None:
+def _finish(code: int, stopped: bool) -> None:
     if code < 0:
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, nor reset
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = exit_codes.killed_by(-code)
-    agent_link.end_process(code)  # a round ended for a membership change: the agent restarts us uncounted
+    agent_link.end_process(code, stopped=stopped)  # a round ended for a membership change: restarted uncounted

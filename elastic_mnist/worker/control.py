@@ -57,6 +57,9 @@ class ControlPlane:
         self._lost_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ending = threading.Event()  # a stop was agreed: the round's store may go with rank 0's teardown
+        self._rang = threading.Event()  # this rank rang the alarm
+        # Under torch's agent store (c10d) the store is node 0's agent's, not rank 0's: its end says nothing.
+        self._store_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
         self._agree_group = self._watch_group = self._alarm = None
         if world_size > 1:
             prefix = f"elastic-mnist/control/{_round_token()}"
@@ -85,7 +88,8 @@ class ControlPlane:
     def alarm(self) -> None:
         """Tell every rank of this round that a peer is lost (best effort, off this thread: the store may be
         the lost rank's)."""
-        if self._alarm is not None:
+        if self._alarm is not None and not self._rang.is_set():
+            self._rang.set()  # this rank knows: its own listener stands down
             threading.Thread(target=self._ring, daemon=True, name="peer-alarm-ring").start()
 
     def ending(self) -> None:
@@ -104,10 +108,12 @@ class ControlPlane:
             try:
                 rung = self._alarm.check([ALARM_KEY])
             except Exception as e:  # noqa: BLE001 - the store's host is rank 0's process
-                if self._ending.wait(STORE_GRACE_S) or self._leaving.is_set():
+                if self._ending.wait(STORE_GRACE_S) or self._leaving.is_set() or not self._store_is_rank0:
                     return
                 self._lose(f"the round's store failed (rank 0 lost): {str(e).splitlines()[0][:160]}", on_peer_lost)
                 return
+            if self._leaving.is_set() or self._rang.is_set():
+                return  # the round is over, or this rank found the loss itself
             if rung:
                 self._lose("another rank of this round lost a peer", on_peer_lost)
                 return

@@ -78,6 +78,7 @@ class FailureHandoff:
         self._main_failing = threading.Event()
         self._saved = threading.Event()
         self._ended = threading.Event()
+        self._exited = threading.Event()  # set only when an injected exit returns
         self.exit_code: int | None = None
 
     # -- the two threads ---------------------------------------------------------------------------
@@ -149,9 +150,12 @@ class FailureHandoff:
                 self._watchdog.cancel()
 
     def _stand_by(self) -> None:
-        """The other thread owns the save: wait for it to end the process, at most until the deadline."""
+        """The other thread owns the save: wait for it to end the process, at most until the deadline. Its end
+        may itself wait (for the agent to take the round's end: agent_link.end_process), so this thread stays
+        here until the process is gone; only an injected exit that returns lets it go on."""
         self._ended.wait(max(0.0, self._deadline - time.monotonic()))
         self._expire()
+        self._exited.wait()
 
     def _expire(self) -> None:
         if self._ended.is_set():
@@ -174,3 +178,4 @@ class FailureHandoff:
             sys.stdout.flush()
             sys.stderr.flush()
         self._exit(code)
+        self._exited.set()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic_mnist import distributed
+from elastic_mnist import agent_link, distributed
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.metrics import Metrics, Throughput, process_age_s
@@ -79,6 +79,7 @@ class Trainer:
         self._state_lock = threading.Lock()
         abort = distributed.abort_data_group if self.device.type == "cuda" else None
         self.failure = FailureHandoff(self._save_last_step, control, Bounds.of(config), self.metrics.warn, abort,
+                                      exit=lambda code: agent_link.end_process(code, stopped=self.stop.requested),
                                       unblock=distributed.abandon_round if in_place else None)
 
     # -- one step ---------------------------------------------------------------------------------
