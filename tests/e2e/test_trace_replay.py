@@ -18,7 +18,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # Two nodes, one preempted, then none for two intervals (the job's memory gone with them), then one
 # again: the shape of the real trace's drops (../shared/spot-traces), short enough for CI.
 COUNTS = [2, 2, 2, 2, 1, 0, 0, 1, 1, 1, 1, 1, 1]
-STEPS = 300  # of the 310 the small set allows; still training when the node count drops to 0
+STEPS = 300  # of the 310 the small set allows
+PACE = 0.08  # s a step: 24 s of training, so that it is still going when the count drops to 0 (at 20 s) and
+# ends inside the window (52 s) after the 8 s without a node and a cold start
 
 
 def test_trace_window_with_a_drop_to_zero_trains_to_the_end(small_mnist, tmp_path):
@@ -27,7 +29,7 @@ def test_trace_window_with_a_drop_to_zero_trains_to_the_end(small_mnist, tmp_pat
     run_dir = tmp_path / "run"
     run, report = launch_local(small_mnist, run_dir, "", "--trace", str(trace), "--trace-window",
                                f"1:{len(COUNTS)}", "--tick", "4", "--notice", "2", "--startup-cost", "0.5",
-                               nodes=1, steps=STEPS, timeout=200)
+                               nodes=1, steps=STEPS, timeout=200, pace=PACE)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert report["summary"]["global_step"] == STEPS, "the job finished inside the window"
     assert report["orphans"] == []
