@@ -19,6 +19,7 @@ import pytest
 from etcd_fixtures import raw_client
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+from elastic_mnist import procs
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
@@ -268,6 +269,9 @@ def test_a_waiting_agent_looks_again_when_a_heartbeat_turns_stale(etcd: EtcdServ
 def stopped_for(server: EtcdServer, seconds: float) -> threading.Thread:
     """SIGSTOP etcd now (its port still accepts connections, nothing answers); SIGCONT after `seconds`."""
     os.kill(server.pid, signal.SIGSTOP)
+    # the signal takes effect when the kernel next schedules etcd: on a loaded machine a request sent at once
+    # could still be answered
+    procs.wait_for(lambda: procs.proc_state(server.pid) == "T", 10, "etcd to stop", interval_s=0.005)
     thread = threading.Timer(seconds, os.kill, (server.pid, signal.SIGCONT))
     thread.start()
     return thread
