@@ -196,8 +196,7 @@ def end_process(code: int, environ=os.environ, stopped: bool = False) -> NoRetur
         sys.stdout.flush()
         sys.stderr.flush()
     if code == exit_codes.RESTART and not stopped and _started_by_agent(environ):
-        path = _note(ROUND_OVER, environ)
-        stopping = os.path.join(os.path.dirname(path), STOPPING)
+        path, stopping = _note(ROUND_OVER, environ), _note(STOPPING, environ)
         if path and not os.path.exists(stopping):
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the agent's stop ends us at once
