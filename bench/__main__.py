@@ -5,6 +5,7 @@
     python -m bench --spot-only --data-dir ../shared/data --update-docs   # the spot replay alone (bench/spot.py)
     python -m bench --network-only --data-dir ../shared/data --update-docs  # vanish, partition (root; bench/network.py)
     python -m bench --in-place-only --data-dir ../shared/data --update-docs  # in place, fresh, c10d (inplace.py)
+    python -m bench --soak --data-dir ../shared/data --update-docs   # 500 changes: does anything grow (soak.py)
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
 OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import elastic, inplace, network, overhead, plots, report, settings, spot, targets, throughput
+from bench import elastic, inplace, network, overhead, plots, report, settings, soak, spot, targets, throughput
 from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun node (~80 min; bench/inplace.py)")
     p.add_argument("--spot-only", action="store_true",
                    help="only the spot trace replay (three systems, ~20 min; full mode runs it after the rest)")
+    p.add_argument("--soak", action="store_true",
+                   help="only the soak: hundreds of membership changes, and whether anything grows (bench/soak.py)")
+    p.add_argument("--soak-changes", type=int, default=500, help="membership changes in the soak (default 500)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
     p.add_argument("--spot-tick", type=float, default=spot.SpotSettings.tick_s,
                    help=f"seconds per trace interval in the spot replay (default {spot.SpotSettings.tick_s})")
@@ -141,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
     started = time.time()
-    if args.spot_only or args.network_only or args.in_place_only:
+    if args.spot_only or args.network_only or args.in_place_only or args.soak:
         try:
+            if args.soak:
+                return run_soak(args, work)
             if args.in_place_only:
                 return run_in_place(args, work)
             return run_spot(args, work) if args.spot_only else run_network(args, work)
@@ -178,6 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         log(f"target {t['id']}: {verdict} ({t['value']} {t['op']} {t['threshold']}) {t['detail']}")
     log(f"done in {time.time() - started:.0f} s")
     return 0
+
+
+def run_soak(args, work: Path) -> int:
+    """The soak; OUT/soak.json, soak.png, soak.md (and docs with --update-docs)."""
+    if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
+        log(f"error: --data-dir {args.data_dir!r} has no MNIST/raw")
+        return 1
+    result = soak.measure(Path(args.out), os.path.abspath(args.data_dir), max(2, args.soak_changes), work)
+    result.update(provenance=provenance(), finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    if not soak.write(result, Path(args.out), DOCS if args.update_docs else None):
+        log(f"{DOCS} has no {soak.START} ... {soak.END} markers: left unchanged")
+    for t in result["targets"]:
+        log(f"target {t['id']}: {({True: 'met', False: 'MISSED', None: 'not measured'})[t['met']]} ({t['value']})")
+    return 0 if result["changes"] == result["changes_scheduled"] else 1  # the launcher ends it: not 0
 
 
 def run_network(args, work: Path) -> int:

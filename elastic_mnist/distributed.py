@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist.errors import NodeLocalError
+from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard
 from elastic_mnist.netprobe import PEER_BEACONS_ENV, wait_for_listener
 from elastic_mnist.procs import NODE_ENV
 
@@ -196,6 +197,8 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: floa
     if backend == "nccl":
         set_nccl_error_handling(os.environ, env.local_rank == 0)
     _ABANDONED.clear()  # a new round: its collectives wait again
+    _GRAVEYARD.hold_s = max(timeout_s, connect_s or 0.0) + RELEASE_MARGIN_S
+    _GRAVEYARD.round += 1
     timeout = datetime.timedelta(seconds=connect_s or timeout_s)
     if env.launched:
         kwargs = {"device_id": device} if backend == "nccl" else {}
@@ -243,8 +246,8 @@ class RoundAbandoned(RuntimeError):
 _ABANDONED = threading.Event()
 _WAITERS: set[threading.Event] = set()
 _WAITERS_LOCK = threading.Lock()
-_GRAVEYARD: list = []  # groups given up with work in flight: kept referenced, never destroyed under a waiter
 MAX_ABANDONED_GROUPS = 32  # each holds sockets until its timeouts: past this many, start afresh instead
+_GRAVEYARD = Graveyard()
 
 
 def wait(work, gloo: bool | None = None) -> None:
@@ -252,6 +255,8 @@ def wait(work, gloo: bool | None = None) -> None:
     `abandon_round` ends the wait with RoundAbandoned: gloo's own wait would last until the collective's
     timeout on a vanished or frozen peer. NCCL only queues it on the stream (its abort ends what waits)."""
     if _ABANDONED.is_set():
+        if not work.is_completed():
+            _GRAVEYARD.bury(work)
         raise RoundAbandoned("the round was given up")
     if not (gloo or (gloo is None and dist.get_backend() != "nccl")):
         work.wait()
@@ -266,7 +271,7 @@ def wait(work, gloo: bool | None = None) -> None:
         with _WAITERS_LOCK:
             _WAITERS.discard(done)
     if _ABANDONED.is_set() and not work.is_completed():
-        _GRAVEYARD.append(work)  # its buffers stay valid for gloo's threads until it times out
+        _GRAVEYARD.bury(work)  # its buffers stay valid for gloo's threads until it times out
         raise RoundAbandoned("the round was given up while a collective waited on a lost peer")
     work.wait()  # done: returns at once, or raises the collective's own error
 
@@ -287,18 +292,24 @@ def teardown(abandoned: bool) -> str:
     if not dist.is_initialized():
         return ""
     if abandoned:
-        _GRAVEYARD.append(dist.group.WORLD)
+        _GRAVEYARD.bury(dist.group.WORLD)
     try:
         if abandoned and dist.get_backend() == "nccl":
             compat.abort_process_group()
         dist.destroy_process_group()
     except (RuntimeError, ValueError) as e:
         return f"tearing down the process group failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    if len(_GRAVEYARD) > MAX_ABANDONED_GROUPS:
-        return f"{len(_GRAVEYARD)} process groups given up in this process"
+    _GRAVEYARD.reap()  # this round's too, when nothing of it is in flight
+    if _GRAVEYARD.groups() > MAX_ABANDONED_GROUPS:
+        return f"{_GRAVEYARD.groups()} process groups given up in this process still wait on lost peers"
     return ""
 
 
 def bury(group) -> None:
     """Keep a group given up with a lost peer (the control plane's) referenced past its round (see teardown)."""
-    _GRAVEYARD.append(group)
+    _GRAVEYARD.bury(group)
+
+
+def held_groups() -> dict:
+    """What this process still holds of rounds given up (journaled at each round's end)."""
+    return {"given_up": _GRAVEYARD.groups(), "given_up_in_flight": len(_GRAVEYARD) - _GRAVEYARD.groups()}

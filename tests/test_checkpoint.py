@@ -100,3 +100,18 @@ def test_weights_only_load_refuses_code(tmp_path):
     blob = checkpoint._HEADER.pack(checkpoint.MAGIC, checkpoint.FORMAT_VERSION, hashlib.sha256(payload).digest())
     with pytest.raises(Exception, match="Weights only load failed|Unsupported"):
         checkpoint.decode(blob + payload)
+
+
+def test_a_closed_writer_ends_its_thread_and_a_later_save_still_writes(tmp_path):
+    # A process kept across rounds makes a writer every round: a closed one must not leave its thread (or
+    # the last state it wrote) behind, and the node's final save may still come through it.
+    writer = CheckpointWriter(str(tmp_path), keep=3)
+    writer.save(_state(1), 1, block=True)
+    thread = writer._thread
+    writer.close()
+    writer.close()
+    assert not thread.is_alive()
+    writer.save(_state(2), 2, block=True)
+    writer.close()
+    state, path = checkpoint.load_latest(str(tmp_path))
+    assert path.endswith("ckpt-000000002.pt") and state["step"] == 2

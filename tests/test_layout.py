@@ -18,7 +18,7 @@ FLOORS = [
     # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
     {"config", "distributed", "metrics", "torchrun_settings", "warm", "job_secret"},
     {"agent_link"},  # what an agent and its workers share: torchrun's child (a stand-in or a worker) ends there
-    {"runlog", "procs", "files", "netprobe", "_torch_compat"},
+    {"runlog", "procs", "files", "netprobe", "_torch_compat", "graveyard", "usage"},
     {"volume"},  # a full or read-only log or checkpoint volume: what the journal and the writers share
     {"_compat_checks"},  # how _torch_compat checks torch (public names only)
     {"errors", "exit_codes"},

@@ -134,6 +134,11 @@ def account(event: Event, processes: dict, journal: list[dict] | None = None) ->
             event.world_size_after, event.steps_redone = first["world_size"], 0
             event.recovery_s = event.stall_s = round(first["time"] - event.time, 3)
             return
+    # A round at the size this fault makes: one that a change just before it formed (a join fired while a
+    # preemption's round still forms) is not its recovery, and the next fault would fire on it.
+    grow = {"join": 1, "kill": -1, "term": -1, "vanish": -1}.get(event.kind, 0)
+    new_rounds = [recs for recs in new_rounds if (recs[0]["world_size"] - event.world_size_before) * grow >= 0
+                  and (not grow or recs[0]["world_size"] != event.world_size_before)]
     if not new_rounds:
         return
     first = min((recs[0] for recs in new_rounds), key=lambda r: r["time"])

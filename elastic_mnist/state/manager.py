@@ -282,9 +282,10 @@ class CheckpointManager:
         self.snapshots.remove()
 
     def close(self) -> None:
-        """Wait for writes in flight (safe to repeat)."""
+        """Wait for writes in flight, check how the last one went, end the writers' threads (safe to repeat)."""
         if self.writer is not None:
             self.writer.wait()
+            self.writer.close()
         self.snapshots.close()
 
     def _durable_writer(self) -> CheckpointWriter:

@@ -90,9 +90,9 @@ class Snapshotter:
         self.metrics.event("snapshots_off", reason=reason)
 
     def close(self) -> None:
-        """Wait for a write in flight and let go of the directory (safe to repeat)."""
+        """Wait for a write in flight, end the writer's thread and let go of the directory (safe to repeat)."""
         if self.writer is not None:
-            self.writer.wait()
+            self.writer.close()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -147,8 +147,21 @@ class CheckpointWriter:
         self._idle = threading.Event()
         self._idle.set()
         # Started now, not at the first save: a thread start on the training thread blocked it ~10 ms.
+        self._thread: threading.Thread | None = None
+        self._start()
+
+    def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-writer")
         self._thread.start()
+
+    def close(self) -> None:
+        """Wait for the write in flight and end the thread (safe to repeat; a later save starts another): a
+        process kept across rounds makes a writer every round."""
+        self._idle.wait()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
     def save(self, state: dict, step: int, block: bool = False) -> None:
         """state must already be a snapshot (CPU copies): training goes on while the thread writes. While the
@@ -157,19 +170,21 @@ class CheckpointWriter:
         self.wait()
         if not self.best_effort and not self.volume.ready(self.last_size + self.last_size // 10):
             return
+        if self._thread is None:
+            self._start()
         self._idle.clear()
         self._queue.put((state, step))
         if block:
             self.wait()
 
     def _run(self) -> None:
-        while True:
-            state, step = self._queue.get()
+        while (job := self._queue.get()) is not None:
             try:
-                self._write(state, step)
+                self._write(*job)
             except BaseException as e:  # surfaced on the training thread by wait()
                 self.failure = e
             finally:
+                job = None  # the state it wrote is not this thread's to keep while it waits for the next
                 self._idle.set()
 
     def _write(self, state: dict, step: int) -> None:

@@ -182,6 +182,16 @@ class ControlPlane:
 
 
 ALARM_KEY = "lost"
+THREAD_PREFIX = "peer-"  # every thread of a control plane is named so
+
+
+def threads_ended(timeout_s: float) -> bool:
+    """Wait, at most `timeout_s` in all, for the threads of ended rounds' control planes (a lost round's
+    listener and prober end within a poll): until then they hold its groups. Off the recovery's path."""
+    deadline = time.monotonic() + timeout_s
+    for thread in [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.name.startswith(THREAD_PREFIX) for t in threading.enumerate())
 
 
 def _round_token() -> int:

@@ -26,6 +26,7 @@ line on stderr and a "fallback" record in the journal.
 
 from __future__ import annotations
 
+import gc
 import io
 import sys
 import time
@@ -34,21 +35,25 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_mnist import distributed, exit_codes
+from elastic_mnist import distributed, exit_codes, graveyard
 from elastic_mnist.errors import PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import cpu_snapshot
+from elastic_mnist.usage import trim_heap, usage
 from elastic_mnist.warm import kept
 from elastic_mnist.worker.build import Process, build_process, build_round
 from elastic_mnist.worker.control import ControlPlane
+from elastic_mnist.worker.control import threads_ended as control_threads_ended
 from elastic_mnist.worker.failure import IN_PLACE
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.stop import StopRequest
 from elastic_mnist.worker.task import Task
 from elastic_mnist.worker.trainer import Trainer
+
+RELEASE_WAIT_S = 0.5  # a round's threads and groups, let go of at its end, take milliseconds to go
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Life:
             self.marks["startup_cost"] = time.time()
             device = distributed.pick_device(self.config.backend, local_rank, local_world)
             self.proc = build_process(self.config, self.task, device, self.marks)
+        gc.freeze()  # what the build made lives as long as the process: the collections at round ends skip it
         if self.session is not None and not self.session.attached:
             self.session.ready()  # built before its round: the agent may join
 
@@ -181,6 +187,16 @@ class Life:
             return problem
         self.session.detach(ending.code)
         self.stop.spent()
+        # The round's objects refer to each other (trainer, its failure handoff, its control plane): only the
+        # cycle collector frees them, with their process groups' threads and sockets, and it may not run for
+        # many rounds. Now, while the agent forms the next round, rather than never.
+        started = time.monotonic()
+        control_threads_ended(RELEASE_WAIT_S)
+        gc.collect()
+        graveyard.drained(RELEASE_WAIT_S)  # what the round let go of is gone before it is counted
+        trim_heap()
+        self._journal("round_end", code=ending.code, lost=ending.lost, gc_ms=round(1000 * (time.monotonic() - started)),
+                      **usage(), **distributed.held_groups())
         return ""
 
     def _fall_back(self, problem: str, code: int) -> int:

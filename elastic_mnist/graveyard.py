@@ -1,0 +1,71 @@
+"""What a process kept across rounds still holds of rounds given up with a lost peer, and when it lets go.
+
+    python -m pytest tests/test_graveyard.py -q
+
+A round given up on a lost peer leaves process groups (each with gloo's threads and a socket to every peer)
+and collectives that may still wait on the dead peer. Dropping the last reference to such a group joins its
+threads, which would block on that wait, so they are kept referenced, and let go as soon as nothing of their
+round is in flight: at once after a kill (the peer's reset ends every collective with an error), after the
+groups' timeout after a freeze or a vanished host. A worker kept through hundreds of changes thus holds only
+the groups of rounds whose collectives still wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+RELEASE_MARGIN_S = 5.0  # past a group's timeout: what its last collective may take to notice it
+RELEASE_THREAD = "group-release"
+
+
+class Graveyard:
+    """Groups (and collectives) given up with a lost peer, by round. A round's are kept referenced while one
+    of its collectives may still wait on the dead peer (the last reference joins gloo's threads, which would
+    block on it), and let go, on a thread of their own, once none does: at once after a kill (the peer's
+    reset ends every collective with an error), after the groups' timeout after a freeze or a vanished
+    host. So a kept worker that lives through hundreds of changes holds nothing of the rounds before."""
+
+    def __init__(self) -> None:
+        self.hold_s = 60.0 + RELEASE_MARGIN_S
+        self.round = 0
+        self._rounds: dict[int, tuple[float, list]] = {}  # round -> (held until, what was given up)
+        self._lock = threading.Lock()
+
+    def bury(self, thing) -> None:
+        with self._lock:
+            until, things = self._rounds.setdefault(self.round, (time.monotonic() + self.hold_s, []))
+            things.append(thing)
+
+    def reap(self) -> None:
+        """Let go of every round of which no collective is still in flight, or that is past its hold."""
+        now = time.monotonic()
+        with self._lock:
+            due = [r for r, (until, things) in self._rounds.items()
+                   if until <= now or all(_settled(t) for t in things)]
+            released = [self._rounds.pop(r)[1] for r in due]
+        if released:
+            threading.Thread(target=released.clear, daemon=True, name=RELEASE_THREAD).start()
+
+    def groups(self) -> int:
+        with self._lock:
+            return sum(not isinstance(t, dist.Work) for _, things in self._rounds.values() for t in things)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(things) for _, things in self._rounds.values())
+
+
+def _settled(thing) -> bool:
+    """A group has nothing of its own in flight here (each collective that was is buried beside it)."""
+    return not isinstance(thing, dist.Work) or thing.is_completed()
+
+
+def drained(timeout_s: float = 10.0) -> bool:
+    """Wait until every release in progress is done (tests; the worker never waits on one)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in [t for t in threading.enumerate() if t.name == RELEASE_THREAD]:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.name == RELEASE_THREAD for t in threading.enumerate())

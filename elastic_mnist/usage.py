@@ -1,0 +1,65 @@
+"""What a process holds right now: threads, open descriptors, sockets, resident memory (Linux /proc).
+
+    python -c 'from elastic_mnist.usage import usage; print(usage())'
+
+A kept worker journals it at every round's end ("round_end"), so a long run shows whether anything grows
+with the number of rounds (bench/soak.py plots it; tests/e2e/test_kept_flat.py asserts it stays flat).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def usage(pid: int | str = "self") -> dict:
+    """{"threads", "fds", "sockets", "rss_mb", "thread_kinds"} of a process (-1 where /proc cannot say)."""
+    out = {"threads": -1, "fds": -1, "sockets": -1, "rss_mb": -1.0}
+    base = f"/proc/{pid}"
+    try:
+        with open(f"{base}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    out["threads"] = int(line.split()[1])
+                elif line.startswith("VmRSS:"):
+                    out["rss_mb"] = round(int(line.split()[1]) / 1024, 1)
+        names = os.listdir(f"{base}/fd")
+    except (OSError, ValueError):
+        return out
+    sockets = 0
+    for name in names:
+        try:
+            sockets += os.readlink(f"{base}/fd/{name}").startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    out.update(fds=len(names), sockets=sockets, thread_kinds=_thread_kinds(base))
+    return out
+
+
+def _thread_kinds(base: str) -> dict[str, int]:
+    """How many threads of each name (torch's native ones name themselves: pt_gloo_runloop, pt_tcpstore_uv):
+    what grows, where something does."""
+    kinds: dict[str, int] = {}
+    try:
+        tasks = os.listdir(f"{base}/task")
+    except OSError:
+        return kinds
+    for task in tasks:
+        try:
+            with open(f"{base}/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        kinds[name] = kinds.get(name, 0) + 1
+    return dict(sorted(kinds.items()))
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). What a round
+    freed stays in the allocator's arenas otherwise, so a kept worker's RSS would show its largest round,
+    not what it holds."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
