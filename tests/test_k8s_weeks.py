@@ -8,14 +8,19 @@ at run time, a 137 that is not an out-of-memory kill, and the per-index backoff 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 from conftest import load_render
 from k8s_manifests import argv, container, pod_spec, trainer_job
-from k8s_model import JobModel
-from k8s_pods import T0, node, terminated_after_delete, unschedulable
+from k8s_model import MAX_POD_FAILURE_BACKOFF_S, JobModel, index_backoff
+from k8s_pods import T0, disruption, exited, node, terminated_after_delete, unschedulable
 
+from elastic_mnist import exit_codes
 from elastic_mnist.ops import noderules, startrules, startwatch
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = " ".join((REPO / "docs" / "kubernetes.md").read_text().split())
 
 render = load_render()
 VARIANTS = render.overlays()
@@ -81,3 +86,29 @@ def test_every_gpu_node_marked_fails_the_job_in_minutes_not_hours(variant, varia
     later = startrules.decide(p, T0 + opts.marked_deadline, opts, T0 - HOURS, [], marked,
                               noderules.feasible_nodes(p, grown, opts.avoid_label))
     assert later.condition == startrules.WAITING, "a node it can take: it waits for the scheduler"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} minutes"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_much_preempted_index_comes_back_minutes_late_and_the_docs_say_after_how_many(variant, variants):
+    """The Job controller backs an index off by its absolute failure count, ignored failures included: preemptions
+    are never counted against backoffLimitPerIndex, yet each one doubles the wait before the index's next pod, up
+    to 10 minutes. Nothing in the manifests changes that (an Ignore rule still adds to the ignored count); the
+    docs give the numbers."""
+    spec = trainer_job(variants[variant])["spec"]
+    model, delays = JobModel(spec), []
+    for _ in range(12):
+        preempted = exited("trainer", exit_codes.killed_by(15), conditions=[disruption("EvictionByEvictionAPI")])
+        assert model.pod_failed(0, preempted) == "Ignore"
+        delays.append(model.replacement_delay(0))
+    assert not model.counted and not model.failed, "never counted, never fails the index"
+    assert delays[:7] == [10, 20, 40, 80, 160, 320, 600] and set(delays[6:]) == {MAX_POD_FAILURE_BACKOFF_S}
+    minute_late = next(n for n, d in enumerate(delays, 1) if d >= 60)
+    capped = next(n for n, d in enumerate(delays, 1) if d == MAX_POD_FAILURE_BACKOFF_S)
+    assert (minute_late, capped) == (4, 7)
+    assert (f"the {minute_late}th disruption of an index delays its next pod by {delays[minute_late - 1]:.0f} s, "
+            f"the {capped}th and every later one by {_minutes(delays[capped - 1])}") in DOCS
+    assert index_backoff(0) == 10 and index_backoff(40) == MAX_POD_FAILURE_BACKOFF_S
