@@ -378,8 +378,8 @@ def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_loc
     """Every onExitCodes rule names its container (without containerName the Job controller matches
     init containers' exit codes too); 78 (configuration, closed rendezvous) fails the Job from
     preflight or `elastic-mnist pod`; the node-local code (preflight's, or a trainer that gave up on its own
-    failures or a problem of its node) and an OOM kill of the trainer fail only the index; a SIGTERM exit (a
-    shrink, a deleted pod) is not counted."""
+    failures or a problem of its node) fails only the index; a SIGKILL of the trainer (an OOM kill, a lost
+    container) is counted; a SIGTERM exit (a shrink, a deleted pod) is not."""
     job = trainer_job(variants[variant])
     names = {c["name"] for c in all_containers(job)}
     rules = [r for r in job["spec"]["podFailurePolicy"]["rules"] if "onExitCodes" in r]
@@ -393,8 +393,9 @@ def test_failure_policy_fails_the_job_on_config_errors_and_the_index_on_node_loc
     sigterm, sigkill = exit_codes.killed_by(15), exit_codes.killed_by(9)
     assert by_action == {
         "FailJob": {("preflight", exit_codes.PERMANENT), ("trainer", exit_codes.PERMANENT)},
-        "FailIndex": {("preflight", exit_codes.NODE_LOCAL), ("trainer", exit_codes.NODE_LOCAL), ("trainer", sigkill)},
+        "FailIndex": {("preflight", exit_codes.NODE_LOCAL), ("trainer", exit_codes.NODE_LOCAL)},
         "Ignore": {("preflight", sigterm), ("trainer", sigterm)},
+        "Count": {("trainer", sigkill)},  # an OOM kill or a lost container: retried, backoffLimitPerIndex bounds it
     }
     # FailIndex is only valid (and only means "this index") with a per-index backoff limit.
     assert job["spec"]["backoffLimitPerIndex"] >= 1

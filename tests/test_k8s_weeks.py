@@ -112,3 +112,25 @@ def test_a_much_preempted_index_comes_back_minutes_late_and_the_docs_say_after_h
     assert (f"the {minute_late}th disruption of an index delays its next pod by {delays[minute_late - 1]:.0f} s, "
             f"the {capped}th and every later one by {_minutes(delays[capped - 1])}") in DOCS
     assert index_backoff(0) == 10 and index_backoff(40) == MAX_POD_FAILURE_BACKOFF_S
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_137_without_disruption_target_retries_its_index_and_an_oom_loop_is_bounded(variant, variants):
+    """A node back under the same name reports its lost container as ContainerStatusUnknown, 137, with no
+    DisruptionTarget: counted and retried, never the index lost. A real OOM loop is bounded by backoffLimitPerIndex:
+    the 11th kill fails the index, after the Job controller's backoff between the kills; the docs give the time."""
+    spec = trainer_job(variants[variant])["spec"]
+    model = JobModel(spec)
+    lost = exited("trainer", 137, reason="ContainerStatusUnknown")
+    assert model.pod_failed(0, lost) == "Count" and not model.failed and model.replacement_delay(0) == 10
+    assert model.pod_failed(1, exited("trainer", 137, reason="ContainerStatusUnknown",
+                                      conditions=[disruption("DeletionByTaintManager")])) == "Ignore"
+    oom, model, waits, kills = exited("trainer", 137, reason="OOMKilled"), JobModel(spec), 0.0, 0
+    while 0 not in model.failed:
+        kills += 1
+        assert model.pod_failed(0, oom) == "Count"
+        waits += 0 if 0 in model.failed else model.replacement_delay(0)
+    assert kills == spec["backoffLimitPerIndex"] + 1 == 11 and waits == 3030
+    parallel_rounds = -(-(spec["maxFailedIndexes"] + 1) // spec["parallelism"])  # two at parallelism 2
+    assert (f"the {kills}th kill of an index fails it, after {_minutes(waits)} of the Job controller's backoff" in DOCS
+            and f"{parallel_rounds * kills * spec['parallelism']} pods and {_minutes(parallel_rounds * waits)}" in DOCS)
