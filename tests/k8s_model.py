@@ -182,8 +182,9 @@ class BadNodeRun:
                 self.labels[failed["spec"]["nodeName"]][self.opts.avoid_label] = str(int(T0 + now))
                 failed["status"]["conditions"].append({"type": startrules.NODE_MARKED, "status": "True"})
 
-    def run(self, seconds: int, phase: int) -> str | None:
-        """Second by second: node-local exits (the Job controller replaces at once), then a sweep when due."""
+    def run(self, seconds: int, phase: int, down_until: float = 0) -> str | None:
+        """Second by second: node-local exits (the Job controller replaces at once), then a sweep when due (none
+        before `down_until`: a watchdog restarting, its image pulling, its API calls timing out)."""
         self.ended: list[dict] = []
         self._replace(0)
         for now in range(seconds):
@@ -191,7 +192,7 @@ class BadNodeRun:
                 self._end(t, exited("preflight", exit_codes.NODE_LOCAL, node=t.node, name=t.obj["metadata"]["name"],
                                     uid=t.obj["metadata"]["uid"]))
                 self._replace(now)
-            if now % self.opts.interval == phase:
+            if now % self.opts.interval == phase and now >= down_until:
                 self._sweep(now)
                 self._replace(now)
             if self.model.outcome():

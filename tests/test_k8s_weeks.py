@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import load_render
 from k8s_manifests import argv, container, pod_spec, trainer_job
-from k8s_model import MAX_POD_FAILURE_BACKOFF_S, JobModel, index_backoff
+from k8s_model import MAX_POD_FAILURE_BACKOFF_S, BadNodeRun, JobModel, index_backoff
 from k8s_pods import T0, disruption, exited, node, terminated_after_delete, unschedulable
 
 from elastic_mnist import exit_codes
@@ -134,3 +134,22 @@ def test_a_137_without_disruption_target_retries_its_index_and_an_oom_loop_is_bo
     parallel_rounds = -(-(spec["maxFailedIndexes"] + 1) // spec["parallelism"])  # two at parallelism 2
     assert (f"the {kills}th kill of an index fails it, after {_minutes(waits)} of the Job controller's backoff" in DOCS
             and f"{parallel_rounds * kills * spec['parallelism']} pods and {_minutes(parallel_rounds * waits)}" in DOCS)
+
+
+@pytest.mark.parametrize("variant", ["gke"])
+def test_a_watchdog_that_misses_its_sweeps_costs_an_index_per_hold_it_misses(variant, variants):
+    """The mark is not guaranteed to come within a replacement's hold (75 s, two sweeps): while the watchdog is
+    down, each replacement the scheduler steers to the bad node fails there too. The mark still comes with its
+    first pass (failed pods stay listed), and from then on no more index is lost there."""
+    docs = variants[variant]
+    job, opts = trainer_job(docs), _watchdog(docs)
+    lost = {}
+    for down in (0, 150, 240, 300):  # the first exit 69 at 77 s, each replacement's 77 s later
+        run = BadNodeRun(job, opts, nodes=4)
+        outcome = run.run(seconds=int(40 * opts.interval), phase=0, down_until=down)
+        lost[down] = (len(run.failures), outcome)
+        assert {node for _, node in run.failures} == {"n0"}
+    assert lost[0] == (1, None), "the watchdog in time: one index"
+    assert lost[150] == (2, None) and lost[240] == (3, None), "each hold missed: one more"
+    assert lost[300] == (4, "Failed: MaxFailedIndexesExceeded"), "down for four holds: the Job"
+    assert "each 75 s hold it misses costs one more index" in DOCS
