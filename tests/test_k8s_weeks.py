@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 from conftest import load_render
-from k8s_manifests import argv, container, pod_spec, trainer_job
+from k8s_manifests import argv, container, pod_spec, resolve_env, trainer_job
 from k8s_model import MAX_POD_FAILURE_BACKOFF_S, BadNodeRun, JobModel, index_backoff
-from k8s_pods import T0, disruption, exited, node, terminated_after_delete, unschedulable
+from k8s_pods import T0, disruption, exited, node, pod, running, terminated, terminated_after_delete, unschedulable
 
 from elastic_mnist import exit_codes
 from elastic_mnist.ops import noderules, startrules, startwatch
+from elastic_mnist.ops import pod as pod_entry
+from elastic_mnist.worker.devicefault import device_fault
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = " ".join((REPO / "docs" / "kubernetes.md").read_text().split())
@@ -153,3 +155,56 @@ def test_a_watchdog_that_misses_its_sweeps_costs_an_index_per_hold_it_misses(var
     assert lost[150] == (2, None) and lost[240] == (3, None), "each hold missed: one more"
     assert lost[300] == (4, "Failed: MaxFailedIndexesExceeded"), "down for four holds: the Job"
     assert "each 75 s hold it misses costs one more index" in DOCS
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_gpu_that_fails_at_run_time_fails_its_index_marks_its_node_and_the_job_goes_on(variant, variants):
+    """An uncorrectable ECC error in a step: the worker ends its node (69, tests/test_devicefault.py), the pod exits
+    69 after its hold, its index fails (a spare takes the place), the watchdog marks the node (not on one node),
+    the Job runs on."""
+    docs = variants[variant]
+    job, opts = trainer_job(docs), _watchdog(docs)
+    assert device_fault(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    code = pod_entry.exit_code(exit_codes.NODE_LOCAL, None, finished=False)
+    failed = exited("trainer", code, node="gpu-3", reason="Error")
+    model = JobModel(job["spec"])
+    assert model.pod_failed(1, failed) == "FailIndex" and model.outcome() is None
+    assert model.pending({0}, 1) == [2], "the next spare index takes the place"
+    if variant in SINGLE_NODE:
+        assert not opts.avoid_label
+        return
+    assert startrules.node_local_failure(failed, opts.node_local_exit), "the node is marked"
+    hold = float(resolve_env(job, container(job, "trainer"))["ELASTIC_MNIST_NODE_LOCAL_HOLD_S"])
+    assert hold >= 2 * opts.interval
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_trainer_on_a_node_that_never_returns_is_replaced_uncounted_in_about_8_minutes(variant, variants):
+    """The taint-eviction controller deletes the pod (DisruptionTarget) once the trainers' toleration is over; the
+    pod stays non-terminal while its node is NotReady. The watchdog makes it Failed with NodeLost after
+    --node-lost-after: ignored by the Job, with DisruptionTarget or without (a pod deleted by hand before)."""
+    docs = variants[variant]
+    job, opts = trainer_job(docs), _watchdog(docs)
+    if variant in SINGLE_NODE:
+        assert opts.node_lost_after == 0, "no node read on one node"
+        return
+    spec = pod_spec(job)
+    unreachable = "node.kubernetes.io/unreachable"
+    (toleration,) = [t["tolerationSeconds"] for t in spec["tolerations"] if t["key"] == unreachable]
+    grace, monitor_grace = spec["terminationGracePeriodSeconds"], 50
+    p = pod(phase="Running", deleting=True, init=[terminated("preflight", 0, T0 + 20)],
+            containers=[running("trainer", T0 + 21)])
+    end = T0 + 3600  # deletionTimestamp: the end of the grace period
+    silent = end - grace - toleration - monitor_grace  # when the node stopped answering
+    down = node("gpu-node-1", ready=False, since=silent + monitor_grace)
+    first = next(t for t in range(int(end), int(end) + 3600, int(opts.interval))
+                 if noderules.lost(p, down, t, opts.node_lost_after))
+    released = first - silent
+    assert released == monitor_grace + toleration + grace + opts.node_lost_after
+    assert round((released + opts.interval) / 60) == 8 and "replaced about 8 minutes after its node" in DOCS
+    v = noderules.lost(p, down, first, opts.node_lost_after)
+    condition = {"type": v.condition, "status": "True", "reason": v.reason}
+    for extra in ([], [disruption("DeletionByTaintManager")]):
+        made_failed = dict(p, status=dict(p["status"], phase="Failed",
+                                          conditions=p["status"]["conditions"] + extra + [condition]))
+        assert JobModel(job["spec"]).pod_failed(0, made_failed) == "Ignore"
