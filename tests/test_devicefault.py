@@ -85,7 +85,7 @@ def test_a_step_that_meets_a_device_error_ends_the_node_without_asking_for_a_los
 
 
 @pytest.mark.parametrize("error", [NodeLocalError("this node's GPU failed (CUDA error: ...)"), RuntimeError(ECC)])
-def test_the_worker_exits_with_the_node_local_code_and_tells_its_agent(error, monkeypatch, tmp_path, capsys):
+def test_the_worker_exits_with_the_node_local_code_and_tells_its_agent(error, monkeypatch, tmp_path, capfd):
     """From a step (NodeLocalError, above) or while the process builds (the raw CUDA error): exit 69, and the agent
     is told, so that under etcd-v3 it leaves the rendezvous and exits 69 itself (FailIndex, the node marked)."""
     told = []
@@ -98,7 +98,7 @@ def test_the_worker_exits_with_the_node_local_code_and_tells_its_agent(error, mo
     code = worker_train.main(["--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "c"),
                               "--log-dir", str(tmp_path / "r")])
     assert code == exit_codes.NODE_LOCAL == 69 and len(told) == 1 and "GPU failed" in told[0]
-    assert "elastic-mnist train: error: this node's GPU failed" in capsys.readouterr().err
+    assert "elastic-mnist train: error: this node's GPU failed" in capfd.readouterr().err
 
 
 def test_any_other_error_still_crashes_the_worker(monkeypatch, tmp_path):
