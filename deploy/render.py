@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import hashlib
 import os
 import shutil
 import subprocess
@@ -34,10 +33,6 @@ OVERLAYS = KUSTOMIZE / "overlays"
 DEFAULT_OVERLAY = "kind"
 K8S_DIR = REPO / "k8s"
 BASE_IMAGE_NAME = "elastic-mnist"  # the image name base/kustomization.yaml's images: tags (elastic-mnist:0.1.0)
-# The start watchdog runs from a stock Python image with these files in its ConfigMap (base/startwatch.yaml):
-# the rendering copies them in, so the manifests always carry the modules the tests check.
-STARTWATCH_FILES = (REPO / "elastic_mnist" / "ops" / "startwatch.py", REPO / "elastic_mnist" / "ops" / "startrules.py")
-STARTWATCH_HASH = "elastic-mnist.io/startwatch-sha256"
 
 # Output file per app.kubernetes.io/component; the number orders `kubectl apply -f k8s`.
 FILES = {
@@ -112,34 +107,13 @@ def render(overlay: str = DEFAULT_OVERLAY, image: str | None = None, loaded: boo
             doc["metadata"].pop("namespace", None)
         for c in _project_containers(doc, image) if loaded else []:
             c["imagePullPolicy"] = "Never"  # the image was loaded into the nodes; there is no registry
-    fill_startwatch(docs)
     return docs
 
 
 def _project_containers(doc: dict, image: str | None) -> list[dict]:
-    """The containers that run the given (loaded) project image: not etcd's, not the watchdog's Python."""
+    """The containers that run the given (loaded) project image: every one but etcd's."""
     spec = doc.get("spec", {}).get("template", {}).get("spec", {})
     return [c for c in spec.get("initContainers", []) + spec.get("containers", []) if c["image"] == image]
-
-
-def startwatch_sources() -> dict[str, str]:
-    return {path.name: path.read_text() for path in STARTWATCH_FILES}
-
-
-def startwatch_hash(sources: dict[str, str]) -> str:
-    return hashlib.sha256("".join(sources[name] for name in sorted(sources)).encode()).hexdigest()
-
-
-def fill_startwatch(docs: list[dict]) -> None:
-    """The watchdog's ConfigMap gets the modules' sources; its pod template their sha256, so that
-    `kubectl apply` after a change of the script replaces the running pod."""
-    sources = startwatch_sources()
-    for doc in docs:
-        if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "startwatch":
-            doc["data"] = dict(sources)
-        elif doc["kind"] == "Deployment" and doc["metadata"]["name"] == "startwatch":
-            annotations = doc["spec"]["template"]["metadata"]["annotations"]
-            annotations[STARTWATCH_HASH] = startwatch_hash(sources)
 
 
 def file_for(doc: dict) -> str:
@@ -158,7 +132,7 @@ def split(docs: list[dict]) -> dict[str, list[dict]]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the watchdog's script) as literal blocks, readable in k8s/ and in a diff."""
+    """Multi-line strings (an init container's script) as literal blocks, readable in k8s/ and in a diff."""
 
 
 _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,

@@ -14,7 +14,7 @@ import sys
 from elastic_mnist import exit_codes
 from elastic_mnist.errors import UserError
 
-# Imported lazily: `status` and `etcd` must not pay for importing torch.
+# Imported lazily: `status`, `etcd` and `startwatch` must not pay for importing torch.
 SUBCOMMANDS = {
     "train": ("elastic_mnist.train", "run one elastic DDP worker (under torchrun) or a single process"),
     "etcd": ("elastic_mnist.etcd.cli", "run the embedded etcd for rendezvous"),
@@ -24,12 +24,14 @@ SUBCOMMANDS = {
     "preflight": ("elastic_mnist.ops.preflight", "check data, checkpoint storage, etcd and GPU before a node starts"),
     "pod": ("elastic_mnist.ops.pod",
             "a Kubernetes trainer pod's entry process: torchrun under a signal-forwarding PID 1"),
+    "startwatch": ("elastic_mnist.ops.startwatch",
+                   "the Kubernetes start watchdog: ends trainer pods that cannot start, marks nodes that failed one"),
 }
 
 
 def usage() -> str:
     lines = ["usage: elastic-mnist {" + ",".join(SUBCOMMANDS) + "} [flags...]", "", "subcommands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines.append("\n`elastic-mnist SUBCOMMAND --help` lists a subcommand's flags.")
     return "\n".join(lines)
 

@@ -14,8 +14,9 @@ OK = 0  # done, or nothing left to do (the job already finished; a stop we asked
 FAILURE = 1  # could not go on, as an uncaught exception exits (etcd died; a child orphaned at fork)
 USAGE = 2  # bad flags or input, as argparse exits: fix the command line
 NODE_LOCAL = 69  # sysexits EX_UNAVAILABLE: this node lacks what the job needs (no CUDA device, checkpoint dir
-#                 not writable here, no usable /dev/shm); another node may have it: the Job's podFailurePolicy
-#                 fails that pod's index (FailIndex), not the whole Job
+#                 not writable here, no usable /dev/shm) or its GPU failed while training (worker/devicefault.py);
+#                 another node may do better: the Job's podFailurePolicy fails that pod's index (FailIndex), not the
+#                 whole Job
 UNSUPERVISED = 70  # sysexits EX_SOFTWARE: the agent died and the group could not agree on a stop in time
 SAVE_FAILED = 74  # sysexits EX_IOERR: a peer was lost and saving the last completed step raised or hung past
 # its bound; torchrun restarts us from the newest earlier state. Also: the final state could not go to a full or

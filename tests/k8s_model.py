@@ -48,17 +48,39 @@ def pod_rule(rules: list[dict], p: dict) -> tuple[int | None, str]:
     return None, "Count"
 
 
+# pkg/controller/job/job_controller.go: DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff.
+POD_FAILURE_BACKOFF_S, MAX_POD_FAILURE_BACKOFF_S = 10.0, 600.0
+
+
+def index_backoff(earlier_failures: int) -> float:
+    """How long the Job controller waits, from the end of a failed pod, before it creates the index's next pod
+    (backoff_utils.go, getRemainingTimePerIndex at the moment of the failure): the failed pod's absolute count
+    (getIndexAbsoluteFailureCount: its job-index-failure-count plus job-index-ignored-failure-count annotations, the
+    index's earlier failures, counted and ignored alike) plus one, into getRemainingTimeForFailuresCount: 10 s,
+    doubled per earlier failure, capped at 10 minutes."""
+    delay = POD_FAILURE_BACKOFF_S
+    for _ in range(earlier_failures):
+        delay *= 2
+        if delay >= MAX_POD_FAILURE_BACKOFF_S:
+            return MAX_POD_FAILURE_BACKOFF_S
+    return delay
+
+
 @dataclass
 class JobModel:
-    """One Indexed Job's bookkeeping: failed and succeeded indexes, counted failures per index."""
+    """One Indexed Job's bookkeeping: failed and succeeded indexes, counted and ignored failures per index (the
+    annotations getNewIndexFailureCounts, indexed_job_utils.go, gives each replacement pod)."""
     spec: dict
     failed: set[int] = field(default_factory=set)
     succeeded: set[int] = field(default_factory=set)
     counted: dict[int, int] = field(default_factory=dict)
+    ignored: dict[int, int] = field(default_factory=dict)
     failed_job: bool = False
 
     def pod_failed(self, index: int, p: dict) -> str:
-        """Apply the podFailurePolicy to a Failed pod of `index`; the rule's action."""
+        """Apply the podFailurePolicy to a Failed pod of `index`; the rule's action. The index fails on a counted
+        failure once backoffLimitPerIndex earlier ones were counted (isIndexFailed: the failed pod's failure-count
+        annotation >= the limit)."""
         _, action = pod_rule(self.spec["podFailurePolicy"]["rules"], p)
         if action == "FailJob":
             self.failed_job = True
@@ -68,7 +90,13 @@ class JobModel:
             self.counted[index] = self.counted.get(index, 0) + 1
             if self.counted[index] > self.spec["backoffLimitPerIndex"]:
                 self.failed.add(index)
+        else:
+            self.ignored[index] = self.ignored.get(index, 0) + 1
         return action
+
+    def replacement_delay(self, index: int) -> float:
+        """The wait before the index's next pod, after the failure just recorded (counted and ignored alike)."""
+        return index_backoff(self.counted.get(index, 0) + self.ignored.get(index, 0) - 1)
 
     def outcome(self) -> str | None:
         if self.failed_job:
@@ -154,8 +182,9 @@ class BadNodeRun:
                 self.labels[failed["spec"]["nodeName"]][self.opts.avoid_label] = str(int(T0 + now))
                 failed["status"]["conditions"].append({"type": startrules.NODE_MARKED, "status": "True"})
 
-    def run(self, seconds: int, phase: int) -> str | None:
-        """Second by second: node-local exits (the Job controller replaces at once), then a sweep when due."""
+    def run(self, seconds: int, phase: int, down_until: float = 0) -> str | None:
+        """Second by second: node-local exits (the Job controller replaces at once), then a sweep when due (none
+        before `down_until`: a watchdog restarting, its image pulling, its API calls timing out)."""
         self.ended: list[dict] = []
         self._replace(0)
         for now in range(seconds):
@@ -163,7 +192,7 @@ class BadNodeRun:
                 self._end(t, exited("preflight", exit_codes.NODE_LOCAL, node=t.node, name=t.obj["metadata"]["name"],
                                     uid=t.obj["metadata"]["uid"]))
                 self._replace(now)
-            if now % self.opts.interval == phase:
+            if now % self.opts.interval == phase and now >= down_until:
                 self._sweep(now)
                 self._replace(now)
             if self.model.outcome():

@@ -117,3 +117,17 @@ def exited(container: str, code: int, node: str = "gpu-node-1", finished: float 
 def disruption(reason: str = "TerminationByKubelet") -> dict:
     """The DisruptionTarget condition a preemption, eviction, drain, node shutdown or node loss adds."""
     return {"type": "DisruptionTarget", "status": "True", "reason": reason, "lastTransitionTime": format_time(T0 + 70)}
+
+
+def node(name: str, ready: bool = True, since: float = T0 - 86400, labels: dict | None = None,
+         taints: list[dict] | None = None, gpus: int = 1, cordoned: bool = False) -> dict:
+    """A Node as `kubectl get node -o json` shows it: labels, taints, allocatable (GPUs from the device plugin),
+    its Ready condition since `since` (NotReady: Unknown, the node lifecycle controller's NodeStatusUnknown)."""
+    ready_condition = {"type": "Ready", "status": "True" if ready else "Unknown",
+                       "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+                       "lastTransitionTime": format_time(since)}
+    spec = {**({"taints": taints} if taints else {}), **({"unschedulable": True} if cordoned else {})}
+    allocatable = {"cpu": "8", "memory": "32Gi", **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+            "spec": spec, "status": {"allocatable": allocatable, "conditions": [ready_condition]}}

@@ -212,7 +212,6 @@ def _render(*args: str) -> subprocess.CompletedProcess:
 def _project_containers(out: Path) -> list[dict]:
     docs = [d for docs in render.load_dir(out).values() for d in docs]
     return [c for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")
-            and d["metadata"]["name"] != "startwatch"  # a stock Python image (base/startwatch.yaml)
             for c in (d["spec"]["template"]["spec"].get("initContainers", [])
                       + d["spec"]["template"]["spec"]["containers"])
             if "etcd" not in c["image"]]
@@ -225,7 +224,7 @@ def test_render_pins_the_image_by_digest_in_every_project_container(tmp_path):
                   f"registry.internal:5000/ml/elastic-mnist:1.2.3@{digest}")
     assert run.returncode == 0, run.stderr
     containers = _project_containers(out)
-    assert {"fetch-mnist", "preflight", "trainer"} <= {c["name"] for c in containers}
+    assert {"fetch-mnist", "preflight", "trainer", "startwatch"} <= {c["name"] for c in containers}
     assert {c["image"] for c in containers} == {f"registry.internal:5000/ml/elastic-mnist@{digest}"}
     assert {c["imagePullPolicy"] for c in containers} == {"IfNotPresent"}
     # The base's kind tag (elastic-mnist:0.1.0) is left in no image field.

@@ -79,12 +79,41 @@ def test_etcd_is_required_off_spot_and_its_members_apart(variant, variants):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_trainers_and_etcd_ask_autoscalers_not_to_move_them(variant, variants):
+def test_trainers_and_etcd_keep_the_scale_down_off_and_the_spot_notice(variant, variants):
+    """The cluster autoscaler's scale-down leaves their nodes alone; no pod carries karpenter.sh/do-not-disrupt,
+    which would keep Karpenter from evicting it at a spot interruption (the trainer would lose its 2-minute notice,
+    etcd's member would die with its node instead of moving within its disruption budget)."""
     docs = variants[variant]
     for w in (trainer_job(docs), find(docs, "StatefulSet", "etcd")):
         annotations = w["spec"]["template"]["metadata"]["annotations"]
-        assert annotations["karpenter.sh/do-not-disrupt"] == "true"
         assert annotations["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+    for w in workloads(docs):
+        assert "karpenter.sh/do-not-disrupt" not in w["spec"]["template"]["metadata"].get("annotations", {})
+
+
+def _doc_yaml(kind: str) -> dict:
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "kubernetes.md").read_text(), re.S)
+    (found,) = [d for b in blocks for d in yaml.safe_load_all(b) if d and d.get("kind") == kind]
+    return found
+
+
+def test_the_eks_recipes_karpenter_nodepool_keeps_consolidation_off_running_trainers():
+    """Consolidation only of empty nodes (a running trainer keeps its node), at most one node disrupted at a time
+    (drift, expiry), spot first, and the GPU taint the trainers tolerate; the docs say this is how."""
+    pool = _doc_yaml("NodePool")
+    assert pool["apiVersion"] == "karpenter.sh/v1"
+    assert pool["spec"]["disruption"]["consolidationPolicy"] == "WhenEmpty"
+    assert pool["spec"]["disruption"]["budgets"] == [{"nodes": "1"}]
+    template = pool["spec"]["template"]["spec"]
+    (capacity,) = [r for r in template["requirements"] if r["key"] == "karpenter.sh/capacity-type"]
+    assert capacity["values"][0] == "spot"
+    job = trainer_job(render.render("eks"))
+    tolerated = {t["key"] for t in pod_spec(job)["tolerations"]}
+    assert {t["key"] for t in template["taints"]} <= tolerated
+    assert int(pool["spec"]["limits"]["nvidia.com/gpu"]) == preflight.parse_launch(
+        argv(job, container(job, "trainer"))[2:]).max_nodes
+    docs = " ".join((REPO / "docs" / "kubernetes.md").read_text().split())
+    assert "`consolidationPolicy: WhenEmpty`" in docs and "do-not-disrupt" in docs
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -228,3 +257,17 @@ def test_the_documented_kind_commands_run_as_far_as_this_machine_allows(variants
         probe = loop.split("until ", 1)[1].split("; do", 1)[0].replace(
             "kubectl -n elastic-mnist get job trainer", "kubectl annotate --local -f job.json probe=1")
         assert (_bash(probe, tmp_path).returncode == 0) is ends, conditions
+
+
+def test_the_recipes_gpu_pools_grow_where_the_docs_count_on_a_new_node():
+    """A marked node is replaced only by an autoscaler: GKE's and AKS's GPU pools autoscale up to the most trainers
+    that run; the EKS node group cannot, and the docs say so and give Karpenter's NodePool instead."""
+    text = (REPO / "docs" / "kubernetes.md").read_text()
+    commands = [c.replace("\\\n", " ") for c in re.findall(r"```bash\n(.*?)```", text, re.S)]
+    gke = next(line for c in commands for line in c.splitlines() if "node-pools create gpu" in line)
+    aks = next(line for c in commands for line in c.splitlines() if "nodepool add" in line and "-n gpu" in line)
+    assert "--enable-autoscaling" in gke and "--min-nodes=0" in gke and "--max-nodes=4" in gke
+    assert "--enable-cluster-autoscaler" in aks and "--min-count 0" in aks and "--max-count 4" in aks
+    flat = " ".join(text.split())
+    assert "The `gpu` node group above has a fixed size" in flat and "`EveryNodeMarked`" in flat
+    assert "a cluster autoscaler adds a fresh node" not in flat, "only where the recipe has one"

@@ -1,18 +1,15 @@
-"""The start watchdog's decisions on real pod and event objects, and the exact API requests it sends.
+"""The start watchdog's decisions on real pod and event objects.
 
     python -m pytest -q tests/test_startwatch.py
 
-(tests/test_startwatch_k8s.py checks its manifests; tests/test_k8s_policy.py what the Job makes of the pod.)
+(tests/test_startwatch_api.py checks the requests it sends and a sweep; tests/test_startwatch_nodes.py its
+decisions that need the nodes; tests/test_startwatch_k8s.py its manifests; tests/test_k8s_policy.py what the Job
+makes of the pod.)
 """
 
 from __future__ import annotations
 
-import ast
-import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from k8s_pods import (
@@ -30,35 +27,17 @@ from k8s_pods import (
     unschedulable,
     waiting,
 )
+from startwatch_opts import DEADLINE, FAR, LABEL, OPTS, PENDING, SPOT, options, verdict
 
-from elastic_mnist.ops import startrules, startwatch
+from elastic_mnist.ops import startrules
 from elastic_mnist.ops.startrules import (
     CANNOT_START,
-    CONFIG_REASONS,
     IMAGE_REASONS,
     NODE_AVOIDED,
     NODE_MARKED,
     STUCK,
     WAITING,
-    Verdict,
-    decide,
 )
-
-DEADLINE, PENDING = 900.0, 1800.0
-FAR = T0 + 10 * 86400  # long after every deadline
-LABEL = "avoid.elastic-mnist.io/mnist"
-
-
-def options(*extra: str):
-    return startwatch.parse(["--selector=app.kubernetes.io/component=trainer", f"--avoid-label={LABEL}",
-                             "--node-local-exit=preflight:69", *extra])
-
-
-OPTS, SPOT = options(), options("--pending-deadline=0")
-
-
-def verdict(p: dict, now: float, peers_ran_at: float = T0, opts=OPTS, mounts=(), marked=frozenset()) -> Verdict | None:
-    return decide(p, now, opts, peers_ran_at, list(mounts), frozenset(marked))
 
 
 @pytest.mark.parametrize("reason", sorted(IMAGE_REASONS))
@@ -192,32 +171,6 @@ def test_marks_the_watchdog_set_expire_and_those_set_by_hand_stay():
     assert not startrules.expired("manual", FAR, 21600) and not startrules.expired(str(int(T0)), FAR, 0)
 
 
-def test_the_requests_are_exact():
-    p = stuck("ImagePullBackOff")
-    v = verdict(p, T0 + 2 + DEADLINE)
-    req = startwatch.condition_patch(p, v, T0 + 2 + DEADLINE)
-    assert (req.method, req.path) == ("PATCH", "/api/v1/namespaces/elastic-mnist/pods/trainer-0-x7k2p/status")
-    assert req.content_type == "application/strategic-merge-patch+json", "conditions merge by type, others stay"
-    assert req.body == {"metadata": {"uid": p["metadata"]["uid"]}, "status": {"conditions": [{
-        "type": STUCK, "status": "True", "reason": "ImagePullBackOff", "message": v.message,
-        "lastTransitionTime": "2026-12-01T12:15:02Z"}]}}
-    delete = startwatch.delete_request(p)
-    assert (delete.method, delete.path) == ("DELETE", "/api/v1/namespaces/elastic-mnist/pods/trainer-0-x7k2p")
-    assert delete.body == {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": p["metadata"]["uid"]}}
-    selector = "app.kubernetes.io/component=trainer,app.kubernetes.io/instance=mnist"
-    ls = startwatch.list_request("elastic-mnist", selector)
-    assert ls.path == ("/api/v1/namespaces/elastic-mnist/pods?labelSelector=app.kubernetes.io%2Fcomponent%3Dtrainer"
-                       "%2Capp.kubernetes.io%2Finstance%3Dmnist")
-    ev = startwatch.events_request("elastic-mnist")
-    assert ev.path == ("/api/v1/namespaces/elastic-mnist/events?fieldSelector=involvedObject.kind%3DPod%2C"
-                       "reason%3DFailedMount")
-    assert startwatch.nodes_request(LABEL).path == "/api/v1/nodes?labelSelector=avoid.elastic-mnist.io%2Fmnist"
-    mark, unmark = startwatch.label_request("n1", LABEL, "1796140800"), startwatch.label_request("n1", LABEL, None)
-    assert (mark.method, mark.path, mark.content_type) == ("PATCH", "/api/v1/nodes/n1", "application/merge-patch+json")
-    assert mark.body == {"metadata": {"labels": {LABEL: "1796140800"}}}
-    assert json.dumps(unmark.body) == '{"metadata": {"labels": {"avoid.elastic-mnist.io/mnist": null}}}'
-
-
 # apimachinery's IsQualifiedName, which the Job API applies to onPodConditions[].type
 # (pkg/apis/batch/validation/validation.go, validatePodFailurePolicyRuleOnPodConditions:
 # apivalidation.ValidateQualifiedName), and to label keys: an optional DNS-1123 subdomain prefix, "/", a
@@ -239,75 +192,3 @@ def test_condition_types_and_the_mark_are_qualified_names_in_our_domain():
     assert not qualified_name("Elastic_MNIST.io/x") and not qualified_name("a/-b"), "the check can fail"
 
 
-class Recorder:
-    """The API as answers to what sweep() sends, in order (the requests are the pure builders')."""
-
-    def __init__(self, pods: list[dict], nodes: list[dict] = (), events: list[dict] = ()):
-        self.pods, self.nodes, self.events, self.sent = pods, list(nodes), list(events), []
-
-    def send(self, req):
-        self.sent.append(req)
-        answers = {"/pods?": self.pods, "/nodes?": self.nodes, "/events?": self.events}
-        return {"items": next((v for k, v in answers.items() if k in req.path), [])} if req.method == "GET" else {}
-
-
-def _changes(api: Recorder) -> list[tuple[str, str]]:
-    return [(r.method, "/".join(r.path.rsplit("/", 2)[-2:])) for r in api.sent if r.method != "GET"]
-
-
-def test_a_sweep_ends_marks_reports_and_unmarks_each_once(capsys):
-    stuck_pod = stuck("ImagePullBackOff")
-    peer = pod(name="trainer-1-q9z4m", uid="u-1", phase="Running", init=[terminated("preflight", 0, T0 + 20)],
-               containers=[running("trainer", T0 + 21)], node="gpu-node-2")
-    waiting_pod = unschedulable(name="trainer-2-a1b2c", uid="u-2")
-    bad = exited("preflight", 69, name="trainer-3-zz", uid="u-3", node="gpu-node-3")
-    old_mark = {"metadata": {"name": "gpu-node-7", "labels": {LABEL: str(int(T0))}}}
-    api = Recorder([stuck_pod, peer, waiting_pod, bad], nodes=[old_mark])
-    opts = options()
-    opts.namespace = "elastic-mnist"
-    assert startwatch.sweep(api, opts, T0, FAR) == FAR, "a running peer was seen"
-    assert _changes(api) == [("PATCH", "trainer-0-x7k2p/status"), ("DELETE", "pods/trainer-0-x7k2p"),
-                             ("PATCH", "trainer-2-a1b2c/status"), ("PATCH", "nodes/gpu-node-3"),
-                             ("PATCH", "trainer-3-zz/status"), ("PATCH", "nodes/gpu-node-7")]
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["event"] for r in records] == ["ended", "reported", "node-marked", "node-unmarked"]
-    assert records[0]["reason"] == "ImagePullBackOff" and records[0]["waited_s"] == round(FAR - T0 - 2)
-    assert records[2]["clear"] == f"kubectl label node gpu-node-3 {LABEL}-"
-    # The pod API now shows what was patched: a second sweep repeats nothing.
-    waiting_pod["status"]["conditions"].append({"type": WAITING, "status": "True", "reason": "WaitingForCapacity"})
-    bad["status"]["conditions"].append({"type": NODE_MARKED, "status": "True"})
-    fresh_mark = {"metadata": {"name": "gpu-node-3", "labels": {LABEL: str(int(FAR))}}}
-    api2 = Recorder([peer, waiting_pod, bad], nodes=[fresh_mark])
-    startwatch.sweep(api2, opts, T0, FAR + 30)
-    assert _changes(api2) == []
-    opts.dry_run = True
-    api3 = Recorder([stuck("ImagePullBackOff")])
-    startwatch.sweep(api3, opts, T0, FAR)
-    assert _changes(api3) == [] and "dry run" in capsys.readouterr().out
-
-
-def test_bad_arguments_are_refused_with_one_line(capsys):
-    assert startwatch.parse(["--selector=x"]).deadline == 900 > 0
-    for bad in (["--deadline=-1"], ["--interval=0"], ["--avoid-for=-5"]):
-        with pytest.raises(SystemExit):
-            startwatch.parse(["--selector=x", *bad])
-        assert "must be >= 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        startwatch.parse(["--selector=x", "--node-local-exit=preflight"])
-    assert "CONTAINER:CODE" in capsys.readouterr().err
-
-
-def test_the_scripts_need_nothing_but_the_standard_library(tmp_path):
-    """They run from a stock Python image: no third-party or project import, and they start isolated, side
-    by side in a directory as in the ConfigMap."""
-    for module in (startwatch, startrules):
-        tree = ast.parse(Path(module.__file__).read_text())
-        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
-        assert names - {"elastic_mnist", "startrules"} <= set(sys.stdlib_module_names) | {"__future__"}, names
-    for module in (startwatch, startrules):
-        (tmp_path / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
-    run = subprocess.run([sys.executable, "-I", str(tmp_path / "startwatch.py"), "--help"], capture_output=True,
-                         text=True, timeout=30, cwd=tmp_path)
-    assert run.returncode == 0 and "--avoid-label" in run.stdout, run.stderr
-    assert CONFIG_REASONS > IMAGE_REASONS

@@ -1,7 +1,7 @@
-"""The start watchdog's manifests on every rendered variant: the ConfigMap holds the modules (no drift), least
-privilege (the namespace; nodes only for the job's mark, guarded by an admission policy), the deadlines it
-runs with per variant, the mark the trainers avoid, hardening, its egress, and the Job's rules on its
-conditions ahead of the exit-code rules.
+"""The start watchdog's manifests on every rendered variant: it runs `elastic-mnist startwatch` from the project's
+image, least privilege (the namespace and its Job's heartbeat; nodes only for the job's mark and the node reads,
+guarded by an admission policy), the deadlines it runs with per variant, the mark the trainers avoid, hardening and
+its liveness probe, its egress, and the Job's rules on its conditions ahead of the exit-code rules.
 
     python -m pytest -q tests/test_startwatch_k8s.py
 
@@ -10,7 +10,9 @@ conditions ahead of the exit-code rules.
 
 from __future__ import annotations
 
-import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,21 +42,18 @@ def watchdog(docs: list[dict]) -> dict:
 def watchdog_options(docs: list[dict]):
     deployment = watchdog(docs)
     args = argv(deployment, container(deployment, "startwatch"))
-    assert args[:2] == ["python3", "/opt/startwatch/startwatch.py"], args[:2]
+    assert args[:2] == ["elastic-mnist", "startwatch"], args[:2]
     return startwatch.parse(args[2:])
 
 
-def test_the_configmap_is_the_modules_in_k8s_and_every_variant(variants):
-    sources = {Path(m.__file__).name: Path(m.__file__).read_text() for m in (startwatch, startrules)}
-    digest = hashlib.sha256("".join(sources[n] for n in sorted(sources)).encode()).hexdigest()
-    committed = [d for ds in render.load_dir(REPO / "k8s").values() for d in ds]
-    for name, docs in [("k8s/", committed), *variants.items()]:
-        assert find(docs, "ConfigMap", "startwatch")["data"] == sources, f"{name}: stale script"
-        annotations = watchdog(docs)["spec"]["template"]["metadata"]["annotations"]
-        assert annotations[render.STARTWATCH_HASH] == digest, name
-    volume = next(v for v in pod_spec(watchdog(committed))["volumes"] if v["name"] == "script")
-    mount = next(m for m in container(watchdog(committed), "startwatch")["volumeMounts"] if m["name"] == "script")
-    assert volume["configMap"]["name"] == "startwatch" and mount["mountPath"] == "/opt/startwatch"
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_it_runs_the_packaged_watchdog_from_the_projects_image(variant, variants):
+    """No ConfigMap copy of the script and no third image: the trainers' image, whatever --image pins."""
+    docs = variants[variant]
+    c, trainer = container(watchdog(docs), "startwatch"), container(trainer_job(docs), "trainer")
+    assert (c["image"], c["imagePullPolicy"]) == (trainer["image"], trainer["imagePullPolicy"])
+    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert watchdog_options(docs).job == trainer_job(docs)["metadata"]["name"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -67,10 +66,13 @@ def test_least_privilege(variant, variants):
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
+        {"apiGroups": ["batch"], "resources": ["jobs"], "resourceNames": [trainer_job(docs)["metadata"]["name"]],
+         "verbs": ["patch"]},  # the heartbeat annotation, on this Job only
     ]
     cluster = [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     if variant in SINGLE_NODE:
-        assert not cluster and not watchdog_options(docs).avoid_label, "one node: nothing to mark"
+        opts = watchdog_options(docs)
+        assert not cluster and not opts.avoid_label and not opts.node_lost_after, "one node: no node is read"
     else:
         (crole,) = [d for d in cluster if d["kind"] == "ClusterRole"]
         (cbinding,) = [d for d in cluster if d["kind"] == "ClusterRoleBinding"]
@@ -100,7 +102,12 @@ def test_it_watches_this_jobs_trainers_with_deadlines_deliberate_per_variant(var
     docs = variants[variant]
     opts = watchdog_options(docs)
     assert opts.deadline >= 600 and 0 < opts.interval <= 60 and 0 < opts.report_after < opts.deadline
-    assert opts.pending_deadline == 0 if variant in SPOT else opts.pending_deadline >= opts.deadline
+    assert opts.pending_deadline >= 4 * 3600 if variant in SPOT else opts.pending_deadline >= opts.deadline
+    assert opts.pending_deadline <= 6 * 3600, "finite everywhere: a drought longer than that is the operator's"
+    assert 0 < opts.marked_deadline <= opts.pending_deadline, "every node marked: sooner than any other wait"
+    assert opts.marked_deadline < opts.avoid_for, "and much sooner than the marks expire"
+    if variant not in SINGLE_NODE:
+        assert 0 < opts.node_lost_after <= 600
     wanted = dict(kv.split("=", 1) for kv in opts.selector.split(","))
     job = trainer_job(docs)
     assert wanted.items() <= runtime_labels(job).items(), "the selector matches the trainer pods"
@@ -163,12 +170,9 @@ def test_node_updates_by_the_watchdog_are_limited_to_the_mark(variant, variants)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_it_runs_from_a_stock_python_image_locked_down(variant, variants):
-    """Not the project's image: an unpullable project image must not block the watchdog that ends it."""
+def test_it_runs_locked_down(variant, variants):
     docs = variants[variant]
     c = container(watchdog(docs), "startwatch")
-    project = {x["image"] for x in pod_spec(trainer_job(docs))["containers"]}
-    assert c["image"].startswith("python:3.") and c["image"] not in project and c["imagePullPolicy"] == "IfNotPresent"
     sc = c["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] and sc["capabilities"] == {
         "drop": ["ALL"]}
@@ -177,12 +181,40 @@ def test_it_runs_from_a_stock_python_image_locked_down(variant, variants):
     assert not pod_spec(watchdog(docs)).get("hostNetwork")
 
 
-def test_loaded_images_leave_the_stock_image_to_the_registry():
-    """--loaded sets imagePullPolicy Never on the project's containers only (python is pulled normally)."""
+def test_loaded_images_are_never_pulled_by_the_watchdog_either():
+    """--loaded sets imagePullPolicy Never on the project's containers, the watchdog's included; etcd is pulled."""
     docs = render.render("kind", "elastic-mnist:dev", loaded=True)
     assert container(trainer_job(docs), "trainer")["imagePullPolicy"] == "Never"
-    assert container(watchdog(docs), "startwatch")["imagePullPolicy"] == "IfNotPresent"
+    assert (container(watchdog(docs), "startwatch")["image"], container(watchdog(docs), "startwatch")[
+        "imagePullPolicy"]) == ("elastic-mnist:dev", "Never")
     assert container(find(docs, "StatefulSet", "etcd"), "etcd")["imagePullPolicy"] == "IfNotPresent"
+
+
+@pytest.mark.parametrize("variant", ["kind", "gke"])
+def test_the_liveness_probe_restarts_a_loop_that_stopped_turning(variant, variants, tmp_path):
+    """The probe's command, run here against the alive file the watchdog touches every pass: fresh, it passes; as
+    old as its bound, or missing, it fails. The bound leaves ten passes, or one whose every call timed out."""
+    docs = variants[variant]
+    c, opts = container(watchdog(docs), "startwatch"), watchdog_options(docs)
+    probe = c["livenessProbe"]
+    command = probe["exec"]["command"]
+    assert command[:4] == ["python3", "-I", "-S", "-c"] and opts.alive_file in command[4]
+    (mount,) = [m for m in c["volumeMounts"] if opts.alive_file.startswith(m["mountPath"] + "/")]
+    assert next(v for v in pod_spec(watchdog(docs))["volumes"] if v["name"] == mount["name"])["emptyDir"]
+    bound = float(command[4].rsplit(">", 1)[1].strip(" )"))
+    assert bound >= 10 * opts.interval and bound <= probe["periodSeconds"] * probe["failureThreshold"] + 300
+    alive = tmp_path / "alive"
+    code = command[4].replace(opts.alive_file, str(alive))
+
+    def probe_exit() -> int:
+        return subprocess.run([sys.executable, *command[1:4], code], capture_output=True, timeout=30).returncode
+
+    assert probe_exit() != 0, "no pass yet"
+    alive.touch()
+    assert probe_exit() == 0
+    old = alive.stat().st_mtime - bound - 1
+    os.utime(alive, (old, old))
+    assert probe_exit() == 1
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -199,8 +231,8 @@ def test_its_egress_is_the_api_servers_ports_and_the_docs_say_so(variant, varian
     assert "TCP 443 and 6443 to any address except link-local" in docs and "only the API server" not in docs
 
 
-CONDITION_RULES = {"DisruptionTarget": "Ignore", startrules.NODE_AVOIDED: "Ignore", startrules.STUCK: "FailIndex",
-                   startrules.CANNOT_START: "FailJob"}
+CONDITION_RULES = {"DisruptionTarget": "Ignore", startrules.NODE_AVOIDED: "Ignore", startrules.NODE_LOST: "Ignore",
+                   startrules.STUCK: "FailIndex", startrules.CANNOT_START: "FailJob"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -9,9 +9,10 @@ One line per check. Exit 0: all good, or the job already finished (nothing to do
 the shared volume, etcd's API), or (rendezvous closed before the job finished) start a new Job; the
 Job's podFailurePolicy fails the Job on it. Exit 69 (NODE_LOCAL): this node lacks something another
 node may have (no CUDA device for nccl, the checkpoint dir not writable from here, no usable
-/dev/shm, a GPU driver too old for the image's CUDA); the podFailurePolicy fails this pod's index only,
-and with $ELASTIC_MNIST_NODE_LOCAL_HOLD_S set the exit waits that long, so that the start watchdog marks
-the node before a replacement could land there. Exit 75 (TRANSIENT): etcd still unreachable after --wait
+/dev/shm, a GPU driver too old for the image's CUDA, a GPU that fails, hangs in or miscomputes a test
+matmul); the podFailurePolicy fails this pod's index only, and with $ELASTIC_MNIST_NODE_LOCAL_HOLD_S set
+the exit waits that long, so that the start watchdog can mark the node before a replacement could land
+there. Exit 75 (TRANSIENT): etcd still unreachable after --wait
 seconds (600: longer than the rendezvous backend rides out an outage) of retrying with backoff.
 """
 
@@ -32,7 +33,7 @@ from pathlib import Path
 from elastic_mnist.config import parse_args
 from elastic_mnist.errors import UserError
 from elastic_mnist.exit_codes import NODE_LOCAL, OK, PERMANENT, TRANSIENT, killed_by
-from elastic_mnist.ops.nodecheck import NodeLocal, check_device, check_shm
+from elastic_mnist.ops.nodecheck import NodeLocal, check_device, check_shm, kernel_hung
 from elastic_mnist.rendezvous.conf import CONNECTION_KEYS, SCHEMA, parse_conf
 
 __all__ = ["NODE_LOCAL", "PERMANENT", "SCHEMA", "TRANSIENT", "Launch",
@@ -267,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError) as e:
         print(f"preflight: flags: FAILED: {e}")
         return PERMANENT
-    return run_checks(launch)
+    code = run_checks(launch)
+    if kernel_hung():  # a thread stuck in a hung GPU: an interpreter's exit could wait on it (CUDA's teardown)
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

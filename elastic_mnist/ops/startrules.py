@@ -1,9 +1,10 @@
 """The start watchdog's decisions: what to do with one trainer pod, from the pod object alone (pure
-functions, so the tests and the Job policy model read them). startwatch.py runs them against the API.
+functions, so the tests and the Job policy model read them). startwatch.py runs them against the API;
+noderules.py holds the decisions that need the nodes.
 
-    python3 -c "import startrules; print(startrules.STUCK)"      # beside startwatch.py in its ConfigMap
+    python3 -c "from elastic_mnist.ops import startrules; print(startrules.STUCK)"
 
-Standard library only: it runs from a stock Python image (deploy/kustomize/base/startwatch.yaml).
+Standard library only: the watchdog's container stays small (no torch is imported).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CANNOT_START = "elastic-mnist.io/CannotStart"
 NODE_AVOIDED = "elastic-mnist.io/NodeAvoided"
 WAITING = "elastic-mnist.io/Waiting"
 NODE_MARKED = "elastic-mnist.io/NodeMarked"
+NODE_LOST = "elastic-mnist.io/NodeLost"
 CONDITION = STUCK  # the first one this watchdog had
 IMAGE_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"})
 CONFIG_REASONS = IMAGE_REASONS | {"CreateContainerConfigError"}
@@ -36,6 +38,8 @@ FIX = {
     "config": "create the missing object (docs/kubernetes.md, \"First apply\") and re-apply the Job",
     "pending": "no node can take the pod (GPU capacity, quota, taints, nodes marked for this job): add "
                "capacity or lower parallelism, then re-apply the Job",
+    "marked": "repair those nodes and clear their marks (kubectl label node NODE LABEL-), or add nodes (a cluster "
+              "autoscaler adds none: docs/kubernetes.md, \"A bad node\"), then re-apply the Job",
 }
 
 
@@ -102,9 +106,10 @@ def _stuck(pod: dict, mounts: list[str]) -> tuple[str, str, str] | None:
 
 
 def decide(pod: dict, now: float, opts: argparse.Namespace, peers_ran_at: float, mounts: list[str] = (),
-           marked: frozenset[str] = frozenset()) -> Verdict | None:
+           marked: frozenset[str] = frozenset(), feasible: frozenset[str] | None = None) -> Verdict | None:
     """What to do with this pod now: a pure function of the pod object, its FailedMount messages, the nodes
-    marked for the job, the time, the options and when a trainer of the job was last seen running."""
+    marked for the job, the nodes that could take it but for the marks (None: not known, noderules.py), the time,
+    the options and when a trainer of the job was last seen running."""
     if pod["metadata"].get("deletionTimestamp") or pod.get("status", {}).get("phase") != "Pending":
         return None  # only Pending pods can be stuck before start; terminal and running ones are the Job's
     node = pod.get("spec", {}).get("nodeName")
@@ -117,7 +122,7 @@ def decide(pod: dict, now: float, opts: argparse.Namespace, peers_ran_at: float,
         text = f"waited {now - since:.0f}s: {words}: {FIX[kind]}"
         return _config(reason, now - since, text, now - peers_ran_at, opts) if kind == "config" else \
             Verdict(STUCK, reason, now - since, text)
-    return _unschedulable(pod, now, opts, peers_ran_at, marked)
+    return _unschedulable(pod, now, opts, peers_ran_at, marked, feasible)
 
 
 def _config(reason: str, waited: float, text: str, idle: float, opts) -> Verdict:
@@ -128,18 +133,31 @@ def _config(reason: str, waited: float, text: str, idle: float, opts) -> Verdict
     return Verdict(WAITING, reason, waited, f"{text} (trainers of the job run: reported, not ended)", end=False)
 
 
-def _unschedulable(pod: dict, now: float, opts, peers_ran_at: float, marked: frozenset[str]) -> Verdict | None:
+def unschedulable_since(pod: dict) -> float | None:
+    """When the scheduler first saw this pod (its creation), if it says it cannot place it now."""
     scheduled = condition_of(pod, "PodScheduled")
-    created = parse_time(pod["metadata"].get("creationTimestamp"))
-    if scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable" or created is None:
+    if scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
         return None
-    waited, words = now - created, scheduled.get("message")
+    return parse_time(pod["metadata"].get("creationTimestamp"))
+
+
+def _unschedulable(pod: dict, now: float, opts, peers_ran_at: float, marked: frozenset[str],
+                   feasible: frozenset[str] | None) -> Verdict | None:
+    created = unschedulable_since(pod)
+    if created is None:
+        return None
+    waited, words = now - created, condition_of(pod, "PodScheduled").get("message")
     if MISSING.search(words or ""):
         if opts.deadline > 0 and waited >= opts.deadline:
             return _config("Unschedulable", waited, f"pending {waited:.0f}s{_quoted(words)}: {FIX['config']}",
                            now - peers_ran_at, opts)
         return None
     idle = now - max(created, peers_ran_at)  # how long the job has had no running trainer, this pod pending
+    if feasible and feasible <= marked and opts.marked_deadline > 0 and idle >= opts.marked_deadline:
+        return Verdict(CANNOT_START, "EveryNodeMarked", waited, f"every node that could take a trainer "
+                       f"({', '.join(sorted(feasible))}) is marked {opts.avoid_label} for this job (a trainer failed "
+                       f"there node-locally), and no trainer ran for {idle:.0f}s: no other node came in that time; "
+                       f"{FIX['marked']}")
     avoided = f"; nodes marked for this job: {', '.join(sorted(marked))}" if marked else ""
     if opts.pending_deadline > 0 and idle >= opts.pending_deadline:
         return Verdict(CANNOT_START, "Unschedulable", waited, f"pending unschedulable {waited:.0f}s with no trainer "
@@ -148,6 +166,22 @@ def _unschedulable(pod: dict, now: float, opts, peers_ran_at: float, marked: fro
         return Verdict(WAITING, "WaitingForCapacity", waited, f"waiting for capacity {waited:.0f}s (not ended: "
                        f"it starts when a node can take it){_quoted(words)}{avoided}", end=False)
     return None
+
+
+def needs_nodes(pods: list[dict], now: float, opts, peers_ran_at: float) -> bool:
+    """Whether a decision this sweep needs every node (listed only then): a pod that waits unschedulable while no
+    trainer runs, long enough for the every-node-marked rule, or a deleted pod its node has not ended."""
+    def marked_candidate(p: dict) -> bool:
+        since = unschedulable_since(p)
+        return bool(opts.avoid_label) and opts.marked_deadline > 0 and since is not None and \
+            now - max(since, peers_ran_at) >= opts.marked_deadline
+
+    def lost_candidate(p: dict) -> bool:
+        deleted = parse_time(p["metadata"].get("deletionTimestamp"))
+        return opts.node_lost_after > 0 and deleted is not None and now - deleted >= opts.node_lost_after and \
+            p.get("status", {}).get("phase") not in ("Succeeded", "Failed") and bool(p.get("spec", {}).get("nodeName"))
+
+    return any(marked_candidate(p) or lost_candidate(p) for p in pods)
 
 
 def node_local_failure(pod: dict, exits: dict[str, int]) -> bool:

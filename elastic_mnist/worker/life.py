@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_mnist import distributed, exit_codes, graveyard
-from elastic_mnist.errors import PeerNodeLocalError
+from elastic_mnist.errors import NodeLocalError, PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
@@ -47,6 +47,7 @@ from elastic_mnist.warm import kept
 from elastic_mnist.worker.build import Process, build_process, build_round
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.control import threads_ended as control_threads_ended
+from elastic_mnist.worker.devicefault import device_fault
 from elastic_mnist.worker.failure import IN_PLACE
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.stop import StopRequest
@@ -159,6 +160,9 @@ class Life:
         try:
             summary = trainer.train()
         except Exception as e:
+            fault = device_fault(e)
+            if fault:  # this node's GPU: no peer was lost, and its CUDA context can save nothing any more
+                raise NodeLocalError(fault) from e
             where = trainer.handle_failure(e) if trainer.world_size > 1 else None
             if where is None:
                 raise

@@ -6,10 +6,10 @@
 
 Every start is a resume, and each start-up step is safe to repeat. Exit codes (elastic_mnist.exit_codes): 0 done
 (or stopped on our own SIGTERM), 78 a configuration error (one line; under etcd-v3 it ends the whole job), 69 a
-problem of this node only (its checkpoint dir; under etcd-v3 it ends this node, the job goes on), 75
-the group stopped for a membership change (torchrun restarts us into the next round), 74 a peer was lost and the
-save of the last completed step did not finish (worker/failure.py), 70 our agent died and the group could not
-agree on a stop in time.
+problem of this node only (its checkpoint dir, a GPU that fails: worker/devicefault.py; under etcd-v3 it ends this
+node, the job goes on), 75 the group stopped for a membership change (torchrun restarts us into the next round), 74
+a peer was lost and the save of the last completed step did not finish (worker/failure.py), 70 our agent died and
+the group could not agree on a stop in time.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from elastic_mnist.metrics import process_age_s
 from elastic_mnist.worker import life
 from elastic_mnist.worker import stop as stop_signals
 from elastic_mnist.worker.build import build_trainer
+from elastic_mnist.worker.devicefault import device_fault
 from elastic_mnist.worker.task import MnistMLP, Task
 
 __all__ = ["build_trainer", "launch", "main"]
@@ -51,17 +52,27 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
         stop.set_orphan_grace(config.collective_timeout + 30)  # the agreement, then one blocking save
         return life.live(config, task or MnistMLP(), stop, marks)
     except NodeLocalError as e:
-        # This node's own problem (its checkpoint dir, say): another node may train on. Under an etcd-v3 agent
-        # it ends this node only: the agent leaves the job's rendezvous and exits 69 (agent_link.py).
-        print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
-        agent_link.report_node_local(str(e))
-        return exit_codes.NODE_LOCAL
+        return _node_local(str(e))
     except UserError as e:
         # A configuration error: no restart can help. Under an etcd-v3 agent it ends the whole job, once
         # (agent_link.py); elsewhere torchrun's retries meet the same line.
         print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
         agent_link.report_config_error(str(e))
         return exit_codes.PERMANENT
+    except Exception as e:
+        fault = device_fault(e)  # a GPU that fails while the process builds (or in a step: worker/life.py)
+        if fault is None:
+            raise
+        return _node_local(fault)
+
+
+def _node_local(line: str) -> int:
+    """This node's own problem (its checkpoint dir, its GPU): another node may train on. Under an etcd-v3 agent it
+    ends this node only: the agent leaves the job's rendezvous and exits 69 (agent_link.py), the pod's index fails
+    and the start watchdog marks the node (docs/kubernetes.md, "A bad node")."""
+    print(f"elastic-mnist train: error: {line}", file=sys.stderr, flush=True)
+    agent_link.report_node_local(line)
+    return exit_codes.NODE_LOCAL
 
 
 def launch(task: Task | None = None) -> NoReturn:
