@@ -6,6 +6,7 @@
     python -m bench --network-only --data-dir ../shared/data --update-docs  # vanish, partition (root; bench/network.py)
     python -m bench --in-place-only --data-dir ../shared/data --update-docs  # in place, fresh, c10d (inplace.py)
     python -m bench --soak --data-dir ../shared/data --update-docs   # 500 changes: does anything grow (soak.py)
+    python -m bench --scale-only --data-dir ../shared/data --update-docs  # a change at 2 to 8 nodes (scale.py)
 
 Writes OUT/results.json (machine, settings, every number and the command lines), OUT/*.png and
 OUT/table.md (generated from results.json); --update-docs also puts the table into docs/benchmarks.md
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import elastic, inplace, network, overhead, plots, report, settings, soak, spot, targets, throughput
+from bench import elastic, inplace, network, overhead, plots, report, scale, settings, soak, spot, targets, throughput
 from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the spot trace replay (three systems, ~20 min; full mode runs it after the rest)")
     p.add_argument("--soak", action="store_true",
                    help="only the soak: hundreds of membership changes, and whether anything grows (bench/soak.py)")
+    p.add_argument("--scale-only", action="store_true",
+                   help="only a kill, a preemption and a join at 2 to 8 nodes (~15 min; bench/scale.py)")
     p.add_argument("--soak-changes", type=int, default=500, help="membership changes in the soak (default 500)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
     p.add_argument("--spot-tick", type=float, default=spot.SpotSettings.tick_s,
@@ -145,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
     started = time.time()
-    if args.spot_only or args.network_only or args.in_place_only or args.soak:
+    if args.spot_only or args.network_only or args.in_place_only or args.soak or args.scale_only:
         try:
             if args.soak:
                 return run_soak(args, work)
+            if args.scale_only:
+                return run_scale(args, work)
             if args.in_place_only:
                 return run_in_place(args, work)
             return run_spot(args, work) if args.spot_only else run_network(args, work)
@@ -198,6 +203,17 @@ def run_soak(args, work: Path) -> int:
     for t in result["targets"]:
         log(f"target {t['id']}: {({True: 'met', False: 'MISSED', None: 'not measured'})[t['met']]} ({t['value']})")
     return 0 if result["changes"] == result["changes_scheduled"] else 1  # the launcher ends it: not 0
+
+
+def run_scale(args, work: Path) -> int:
+    """A change against the job's size; OUT/scale.json, scale.md (and docs with --update-docs)."""
+    started = time.time()
+    result = scale.measure(Runner(work), os.path.abspath(args.data_dir))
+    result.update(provenance=provenance(), machine=describe(), wall_s=round(time.time() - started, 1),
+                  finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    if not scale.write(result, Path(args.out), DOCS if args.update_docs else None):
+        log(f"{DOCS} has no {scale.START} ... {scale.END} markers: left unchanged")
+    return 0 if all("error" not in r for r in result["rows"]) else 1
 
 
 def run_network(args, work: Path) -> int:

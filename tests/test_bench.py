@@ -183,3 +183,30 @@ def test_network_faults_are_judged_per_event_and_rendered():
     text = network.render(result)
     assert "| partition | etcd-v3 | cut | 2->1 | 3 | 12.00 (11.00-16.00) s |" in text
     assert "partition heal: recovery p50 <= 10 s" in text
+
+
+def test_the_soak_judges_the_floor_not_the_peaks_and_a_leak_misses():
+    from bench import soak
+
+    def rows(values):
+        return [{"round": i, "threads": v} for i, v in enumerate(values)]
+
+    # a given-up round's groups come and go (peaks): flat; one thread more every 10 rounds: a leak
+    flat = [1 if i % 4 else 11 for i in range(100)]
+    assert soak.growth(rows(flat), "threads")["growth"] == 0
+    leak = [1 + i // 10 for i in range(100)]
+    assert soak.growth(rows(leak), "threads")["growth"] > 0
+    rss = [{"round": i, "rss_mb": 500 + 0.5 * i} for i in range(100)]
+    assert soak.rss_per_100(rss) == 50.0
+    chaos = soak.schedule(5, hosts=True, gap=10)
+    assert chaos.split(",") == ["join@step=40", "kill:n2@step=50", "join@step=60", "term:n3@step=70", "join@step=80"]
+
+
+def test_the_scale_cases_kill_the_first_a_middle_and_the_last_node_at_every_size():
+    from bench import scale
+
+    cases = scale.cases()
+    for n in scale.SIZES:
+        killed = {node for nodes, kind, node in cases if nodes == n and kind == "kill"}
+        assert {"n0", f"n{n - 1}"} <= killed and (n < 3 or len(killed) == 3)
+    assert {kind for nodes, kind, _ in cases if nodes == max(scale.SIZES)} == {"kill", "term", "join"}
