@@ -80,6 +80,14 @@ def _rendezvous() -> ModuleType:
     return dynamic_rendezvous
 
 
+ROUND_PREFIX = "torch.rendezvous."  # DynamicRendezvousHandler._wrap_store: each round's keys in the job store
+
+
+def round_store_prefix(run_id: str, round_: int) -> str:
+    """Where torch's agent keeps round `round_`'s keys in the rendezvous store (checked with the handler)."""
+    return f"{ROUND_PREFIX}{run_id}.{round_}/"
+
+
 def __getattr__(name: str):
     if name in _RDZV_EXPORTS:
         _rendezvous()
@@ -111,6 +119,7 @@ def _check_rendezvous() -> None:
     require(handler, "_stop_heartbeats")
     require_in_code(handler.__init__, _HANDLER_ATTRS, "DynamicRendezvousHandler")
     require_in_code(handler.next_rendezvous, (DISABLE_SHARED_STORE_ENV,), "DynamicRendezvousHandler.next_rendezvous")
+    require_in_code(require(handler, "_wrap_store"), (ROUND_PREFIX,), "DynamicRendezvousHandler._wrap_store")
     # with_tuned_defaults rebuilds the parameters positionally.
     require_params(RendezvousParameters, ("backend", "endpoint", "run_id", "min_nodes", "max_nodes", "local_addr"),
                    "RendezvousParameters")

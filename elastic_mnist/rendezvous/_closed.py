@@ -22,6 +22,7 @@ import sys
 
 from torch.distributed import Store
 
+from elastic_mnist._torch_compat import round_store_prefix
 from elastic_mnist.exit_codes import OK, PERMANENT
 from elastic_mnist.rendezvous._state import decode_state
 
@@ -43,7 +44,7 @@ def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple
         reason = store.get(CONFIG_ERROR_KEY).decode(errors="replace")
         return PERMANENT, (f"rendezvous {run_id} is closed: a configuration error ended the job ({reason}); fix it "
                            "and start again with a new --rdzv-id (nothing was deleted)")
-    if store.check([f"torch.rendezvous.{run_id}.{state.round}/{EXIT_BARRIER_KEY}"]):
+    if store.check([f"{round_store_prefix(run_id, state.round)}{EXIT_BARRIER_KEY}"]):
         return OK, (f"rendezvous {run_id} is closed: the job finished (every node of round {state.round} "
                     "succeeded); nothing to do")
     return PERMANENT, (f"rendezvous {run_id} is closed but the job did not finish (a node gave up): see the "

@@ -75,13 +75,8 @@ from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._replay import ReplayGuard
 from elastic_mnist.rendezvous._settings import EtcdV3Settings, parse_settings
 from elastic_mnist.rendezvous._shrink import restart_when_the_round_shrinks
-from elastic_mnist.rendezvous._state import (
-    ALLOWED_CLASSES,
-    StateIntegrityError,
-    decode_state,
-    seal_state,
-    unseal_state,
-)
+from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, decode_state, seal_state, unseal_state
+from elastic_mnist.rendezvous._sweep import sweep_finished_rounds
 from elastic_mnist.rendezvous._verdict import end_the_job_on_config_errors
 from elastic_mnist.rendezvous.conf import (
     BACKEND_NAME,
@@ -284,6 +279,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     make_prompt(handler, backend)
     if backend.view is not None:  # always, as create_backend builds it
         restart_when_the_round_shrinks(handler, backend.view, store)
+        sweep_finished_rounds(handler, backend.view, store, params.run_id)
         end_the_job_on_config_errors(handler, backend.view, store, params.run_id, agent_dir, backend.get_state)
     if flags is not None:
         keep_the_job_flags(handler, store, flags)

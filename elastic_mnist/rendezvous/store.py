@@ -151,6 +151,11 @@ class EtcdV3Store(Store):
         k = self._key(key)
         return bool(self._client.call(f"delete store key {key!r}", lambda c: c.delete(k)))
 
+    def delete_under(self, prefix: str) -> None:
+        """Every key that starts with `prefix` (a finished round's: _sweep.py)."""
+        k = self._key(prefix)
+        self._client.call(f"delete store keys under {prefix!r}", lambda c: c.delete_prefix(k))
+
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:  # type: ignore[override]
         return self.multi_get([key])[0]

@@ -1,0 +1,50 @@
+"""A finished round's keys leave etcd: a run of weeks forms hundreds of rounds, and each leaves what torch's
+agent wrote in the job's store for it (every rank's role and assigned rank, rank 0's address: about 3 keys
+a node), which nothing reads once the round is over.
+
+    torchrun --rdzv-backend=etcd-v3 ...    # applied by create_rdzv_handler; nothing to configure
+
+Once a round has formed, the node that got rank 0 in it deletes the keys of the rounds KEEP_ROUNDS and more
+behind it, WINDOW rounds back: a round whose rank 0 died before it swept is covered by the next ones. The
+round before the current one stays: its late members may still read it on their way out.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from elastic_mnist._torch_compat import DynamicRendezvousHandler, round_store_prefix
+from elastic_mnist.rendezvous._client import EtcdV3Error
+from elastic_mnist.rendezvous._prompt import RoundView
+from elastic_mnist.rendezvous.store import EtcdV3Store
+
+KEEP_ROUNDS = 2  # the current round and the one before it stay
+WINDOW = 4
+
+
+def rounds_to_sweep(current: int) -> range:
+    return range(max(0, current - KEEP_ROUNDS - WINDOW + 1), max(0, current - KEEP_ROUNDS + 1))
+
+
+def sweep_finished_rounds(handler: DynamicRendezvousHandler, view: RoundView, store: EtcdV3Store,
+                          run_id: str) -> None:
+    """Wrap the handler's next_rendezvous (an instance's own attribute wins)."""
+    inner = handler.next_rendezvous
+
+    def next_rendezvous():
+        info = inner()
+        read = view.read
+        if read is not None and info.rank == 0:
+            sweep(store, run_id, read[0])
+        return info
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def sweep(store: EtcdV3Store, run_id: str, current: int) -> None:
+    """Best effort: a failed delete is left for the next round's rank 0."""
+    try:
+        for old in rounds_to_sweep(current):
+            store.delete_under(round_store_prefix(run_id, old))
+    except EtcdV3Error as exc:
+        print(f"elastic-mnist etcd-v3: warning: old rounds' keys not deleted this time ({exc})", file=sys.stderr)
