@@ -4,7 +4,7 @@ Real etcd, the real store, torch's per-round prefix."""
 
 from __future__ import annotations
 
-from etcd_fixtures import etcd_server_v3only, rdzv_params  # noqa: F401  (etcd_server_v3only is a fixture)
+from etcd_fixtures import rdzv_params
 from torch.distributed import PrefixStore
 
 from elastic_mnist._torch_compat import round_store_prefix
