@@ -102,6 +102,7 @@ class PeerLiveness:
         self._probed_stale: set[str] = set()  # of those, the ones whose heartbeat was stale at that probe
         self._revisions: dict[str, int] = {}  # node -> mod_revision of the beacon key found refusing
         self._peers: dict[str, str] = {}  # node -> beacon address, as last listed: asked during an etcd outage
+        self._absent: dict[str, tuple[int, float, int]] = {}  # node -> (round, monotonic, mod_revision) first seen gone
         self._learned_round = -1
         self.reach_window_s = 3.0  # "this agent reaches etcd": it answered within this long
         self.unreachable: frozenset[str] = frozenset()  # peers whose beacon is silent from here (_partition.py)
@@ -264,6 +265,26 @@ class PeerLiveness:
             return
         self._client.call("remove a dead agent's beacon", lambda c: c.transaction(
             compare=[c.transactions.mod(key) == revision], success=[c.transactions.delete(key)], failure=[]))
+
+    def sweep_absent(self, beating: Iterable[str], round_: int, after_s: float) -> None:
+        """Remove the beacon keys of nodes named in none of the job's heartbeats, unchanged over two rounds and
+        `after_s` seconds: a vanished host's agent took its key nowhere and nobody got a refusal to `forget`
+        it, so it would stay until its lease expires, hours later. A live agent whose key went anyway (a
+        joiner that took that long to join) puts it back on its next look (_republish_if_changed)."""
+        published = self._client.call("read the agents' beacons", lambda c: list(c.get_prefix(self._dir)))
+        now, beating, absent = time.monotonic(), set(beating), {}
+        for _, meta in published:
+            if (name := meta.key.decode()[len(self._dir):]) == self._own or name in beating:
+                continue
+            first = self._absent.get(name)
+            if first is None or first[2] != meta.mod_revision:
+                absent[name] = (round_, now, meta.mod_revision)
+            elif first[0] < round_ and now - first[1] >= after_s:
+                self._revisions[name] = meta.mod_revision
+                self.forget(name)
+            else:
+                absent[name] = first
+        self._absent = absent
 
     def close(self) -> None:
         """Stop listening and take our key out (at the agent's exit; bounded by the client's settings)."""

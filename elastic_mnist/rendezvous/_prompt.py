@@ -64,6 +64,7 @@ class RoundView:
         self._said = ""
         self.hiding = False  # the last state read had nodes hidden for a partition
         self.read: tuple[int, bool, frozenset[str]] | None = None  # (round, complete and open, members) in etcd
+        self.beating: frozenset[str] = frozenset()  # every node with a heartbeat in that state, as written
         self.incumbents: frozenset[str] = frozenset()  # the members of the last completed round read
         self._incumbent_round = -1
         self.stale_s = 0.5 * window.total_seconds()  # no beat for this long: probed for a frozen agent
@@ -73,6 +74,7 @@ class RoundView:
     def __call__(self, state_bits: bytes) -> bytes:
         state = pickle.loads(state_bits)  # noqa: S301 - checked by unseal (restricted unpickler, HMAC)
         self.read = (state.round, state.complete and not state.closed, frozenset(map(str, state.participants)))
+        self.beating = frozenset(map(str, state.last_heartbeats))
         if self.read[1]:
             self._note_incumbents(state.round, self.read[2])
         self.closed = bool(state.closed)

@@ -6,7 +6,8 @@ a node), which nothing reads once the round is over.
 
 Once a round has formed, the node that got rank 0 in it deletes the keys of the rounds KEEP_ROUNDS and more
 behind it, WINDOW rounds back: a round whose rank 0 died before it swept is covered by the next ones. The
-round before the current one stays: its late members may still read it on their way out.
+round before the current one stays: its late members may still read it on their way out. The same node also
+removes the beacon keys of nodes that left no heartbeat in the job's state for two rounds (a vanished host's).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def sweep_finished_rounds(handler: DynamicRendezvousHandler, view: RoundView, st
         read = view.read
         if read is not None and info.rank == 0:
             sweep(store, run_id, read[0])
+            sweep_beacons(view, read[0])
         return info
 
     handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
@@ -48,3 +50,14 @@ def sweep(store: EtcdV3Store, run_id: str, current: int) -> None:
             store.delete_under(round_store_prefix(run_id, old))
     except EtcdV3Error as exc:
         print(f"elastic-mnist etcd-v3: warning: old rounds' keys not deleted this time ({exc})", file=sys.stderr)
+
+
+def sweep_beacons(view: RoundView, current: int) -> None:
+    """Best effort, as `sweep`: what is left stays for the next round's rank 0 (or its lease)."""
+    if view.liveness is None:
+        return
+    try:
+        view.liveness.sweep_absent(view.beating, current, view.window.total_seconds())
+    except (EtcdV3Error, OSError) as exc:
+        print(f"elastic-mnist etcd-v3: warning: departed nodes' beacons not deleted this time ({exc})",
+              file=sys.stderr)
