@@ -45,6 +45,7 @@ class Launcher:
         self.tail = RunTail(config.sample_log, config.log_dir)
         self.view = LiveView()
         self.etcd = None
+        self.config_error: str | None = None  # the line a configuration error ended the job with
         self.hosts: hosts.LauncherHosts | None = None  # --hosts: set for the run by hosts.for_launcher
         self.rdzv_endpoint = ""
         self.replay = trace.Replay(self) if args.trace else None
@@ -209,11 +210,29 @@ class Launcher:
         finally:
             for node in self.nodes.values():
                 node.shutdown()
+            self.config_error = self._config_error()  # read while etcd still runs
             self.etcd.close()
             shutil.rmtree(self.shm_root, ignore_errors=True)
             with contextlib.suppress(OSError):  # the per-user root too, unless another run still keeps state there
                 os.rmdir(os.path.dirname(self.shm_root))
         return self.report()
+
+    def _ended_on_config_error(self) -> bool:
+        return any(n.returncode == exit_codes.PERMANENT for n in self.nodes.values())
+
+    def _config_error(self) -> str | None:
+        """The worker's own line a configuration error closed the job with: etcd-v3 keeps it in the job's store
+        (`elastic-mnist status` shows it too). With --hosts etcd is on a host of its own, out of reach here."""
+        if self.args.rdzv_backend != "etcd-v3" or self.hosts or not self._ended_on_config_error():
+            return None
+        from elastic_mnist.rendezvous.status import read_rendezvous_status
+
+        conf = dict(self.args.rdzv_conf_items)
+        try:
+            return read_rendezvous_status(self.etcd.endpoint, self.run_id, key_prefix=conf.pop("key_prefix", None),
+                                          **conf).get("config_error")
+        except Exception:  # noqa: BLE001 - the node logs still hold the line; say where instead
+            return None
 
     def _cold_start_s(self) -> float | None:
         """Launch of the first nodes to the job's first completed step: what a recovery is compared to."""
@@ -243,9 +262,10 @@ class Launcher:
             print(f"\nfinal: step {summary['global_step']}/{summary['total_steps']}, test accuracy "
                   f"{summary['test_accuracy']:.4f}, world {summary['world_size']}; orphans {orphans or 'none'}")
         print(f"report: {os.path.join(self.args.run_dir, 'report.json')}", flush=True)
-        if not done and any(n.returncode == exit_codes.PERMANENT for n in self.nodes.values()):
-            print("elastic-mnist local: error: the job ended on a configuration error (its line is in the node "
-                  f"logs under {self.args.run_dir}/nodes); fix it and run again", file=sys.stderr, flush=True)
+        if not done and self._ended_on_config_error():
+            line = self.config_error or f"its line is in the node logs under {self.args.run_dir}/nodes"
+            print(f"elastic-mnist local: error: the job ended on a configuration error: {line}; fix it and run again",
+                  file=sys.stderr, flush=True)
             return exit_codes.PERMANENT
         return 0 if done and not orphans else 1
 

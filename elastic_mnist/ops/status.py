@@ -71,6 +71,8 @@ def render(s: dict) -> str:
         waiting = s.get("waiting") or []
         count = s.get("num_waiting", len(waiting))
         lines.append(f"waiting to join: {count}" + (f" ({', '.join(waiting)})" if waiting else ""))
+        if s.get("config_error"):
+            lines.append(f"ended on a configuration error: {s['config_error']}")
     if "checkpoint" in s:
         c = s["checkpoint"]
         lines.append("latest checkpoint: none" if c is None else

@@ -24,13 +24,11 @@ from torch.distributed import Store
 
 from elastic_mnist._torch_compat import round_store_prefix
 from elastic_mnist.exit_codes import OK, PERMANENT
+from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._state import decode_state
 
 # torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID + utils/store.py's _LAST_MEMBER_CHECKIN
 EXIT_BARRIER_KEY = "torchelastic/agent/terminal_state/last_member"
-# Set before a node closes the rendezvous for a worker's configuration error (_verdict.py): the line every
-# agent of the job, and every later one, ends with.
-CONFIG_ERROR_KEY = "elastic-mnist/config-error"
 
 
 def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple[int, str] | None:

@@ -23,7 +23,8 @@ from torch.distributed import Store
 
 from elastic_mnist import agent_link, exit_codes
 from elastic_mnist._torch_compat import DynamicRendezvousHandler
-from elastic_mnist.rendezvous._closed import CONFIG_ERROR_KEY, exit_if_closed
+from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY
+from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._prompt import RoundView
 from elastic_mnist.rendezvous.conf import BACKEND_NAME
 

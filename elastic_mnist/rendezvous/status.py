@@ -16,9 +16,17 @@ import json
 from datetime import datetime
 from typing import Any
 
-from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._secrets import secret
-from elastic_mnist.rendezvous._state import NodeDesc, RendezvousState, decode_state, is_sealed, unseal
+from elastic_mnist.rendezvous._state import (
+    NodeDesc,
+    RendezvousState,
+    StateIntegrityError,
+    decode_state,
+    is_sealed,
+    open_lineage,
+    unseal,
+)
 from elastic_mnist.rendezvous.conf import SCHEMA, check_keys, check_values, connection_spec
 
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
@@ -50,11 +58,12 @@ def _integrity(key: str, stored: bytes, job_secret: bytes | None) -> str:
 
 
 def _read_etcd_v3(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:
-    key = run_key(key_prefix, run_id, "state")
+    key, error_key = run_key(key_prefix, run_id, "state"), f"{run_key(key_prefix, run_id, 'store')}/{CONFIG_ERROR_KEY}"
     job_secret = secret(conn.pop("secret_file", None))
     client = EtcdV3Client(connection_spec(endpoint, conn))
     try:
-        resp = client.call("read the rendezvous state", lambda c: c.get_response(key))
+        resp, error = [client.call("read the rendezvous state", lambda c, k=k: c.get_response(k))
+                       for k in (key, error_key)]
     finally:
         client.close()
     if not resp.kvs:
@@ -62,7 +71,19 @@ def _read_etcd_v3(endpoint: str, run_id: str, key_prefix: str | None, **conn: An
     stored = resp.kvs[0].value
     integrity = _integrity(key, stored, job_secret)
     status = _dynamic_status(decode_state(stored))
+    if error.kvs:
+        status["config_error"] = _config_error(error_key, error.kvs[0].value, job_secret)
     return {"key": key, "found": True, "token": int(resp.kvs[0].mod_revision), "integrity": integrity, **status}
+
+
+def _config_error(key: str, stored: bytes, job_secret: bytes | None) -> str:
+    """The line a worker's configuration error closed the job with, when this reader can trust it."""
+    if job_secret is None and is_sealed(stored):
+        return "(sealed with the job's secret: pass secret_file=PATH to read it)"
+    try:
+        return open_lineage(job_secret, key, stored)[0].decode(errors="replace")
+    except StateIntegrityError as exc:
+        return f"(not readable: {exc})"
 
 
 def _read_legacy_etcd(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:
@@ -93,7 +114,8 @@ def read_rendezvous_status(endpoint: str, run_id: str, backend: str = "etcd-v3",
 
     conn: any --rdzv-conf key of conf.SCHEMA (the connection ones and secret_file are used).
     Keys always present: backend, endpoint, run_id, key, found; when found also round, phase
-    ("joining" | "complete" | "closed"), participants [{node, rank, last_heartbeat}], waiting.
+    ("joining" | "complete" | "closed"), participants [{node, rank, last_heartbeat}], waiting; and
+    config_error, the line the job ended with, when a worker's configuration error closed it (etcd-v3).
     """
     readers = {"etcd-v3": _read_etcd_v3, "etcd": _read_legacy_etcd}
     check_keys(conn)

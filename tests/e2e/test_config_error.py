@@ -9,12 +9,16 @@ started later ends at once with the same line.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import pytest
+from conftest import REPO, worker_env
 
 from e2e.job import Job
 from elastic_mnist import exit_codes, procs, torchrun_settings
+from elastic_mnist.ops.status import render
+from elastic_mnist.rendezvous.status import read_rendezvous_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -41,5 +45,17 @@ def test_a_worker_config_error_ends_every_agent_once_with_its_line(tmp_path, sma
                               timeout=60, env=procs.child_env())
         assert late.returncode == exit_codes.PERMANENT and LINE in late.stderr, late.stderr[-2000:]
         assert "elastic-mnist train" not in late.stderr, "no worker started"
+        status = read_rendezvous_status(etcd_server_v3only.endpoint, job.run_id)
+        assert status["phase"] == "closed" and LINE in status["config_error"], status  # `elastic-mnist status` too
+        assert f"ended on a configuration error: {LINE}" in render(status)
     finally:
         job.kill_all()
+
+
+def test_local_ends_with_the_workers_own_line(tmp_path, small_mnist):
+    cmd = [sys.executable, "-m", "elastic_mnist", "local", "--nodes", "2", "--run-dir", str(tmp_path / "run"),
+           "--data-dir", small_mnist, "--global-batch-size", "5000", "--timeout", "120"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=worker_env(), cwd=REPO)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == exit_codes.PERMANENT, run.stdout[-2000:] + run.stderr[-2000:]
+    assert last.startswith("elastic-mnist local: error: the job ended on a configuration error") and LINE in last, last
