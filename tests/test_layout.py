@@ -1,5 +1,6 @@
 """The house by concern: every import inside the package runs downward, from the public face through the
-operator tools and the worker to the base, never back up (lazy imports inside functions included)."""
+operator tools and the worker to the base, never back up (lazy imports inside functions included), and no
+modules import each other in a circle, inside a folder either."""
 
 from __future__ import annotations
 
@@ -76,6 +77,67 @@ def test_an_upward_import_is_found(tmp_path):
         "elastic_mnist/config.py:2 (config, floor 5) imports elastic_mnist.state.manager (floor 4)",
         "elastic_mnist/state/manager.py:1 (state, floor 4) imports elastic_mnist.worker (floor 3)",
     ]
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports: at the top, under TYPE_CHECKING or inside a function alike
+    (`from elastic_mnist.x import y` counts as importing x.y where y is a module, else x)."""
+    names = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package.name):
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
+                          for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in names}
+        graph[name] = (found & names.keys()) - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_circle_of_imports_anywhere():
+    assert circles(import_graph()) == []
+
+
+def test_a_circle_through_a_type_checking_or_a_lazy_import_is_found(tmp_path):
+    pkg = tmp_path / "elastic_mnist"
+    (pkg / "rdzv").mkdir(parents=True)
+    (pkg / "rdzv" / "a.py").write_text("from elastic_mnist.rdzv import b\n")
+    (pkg / "rdzv" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                       "    from elastic_mnist.rdzv.c import X\n")
+    (pkg / "rdzv" / "c.py").write_text("def f():\n    import elastic_mnist.rdzv.a\n")
+    (pkg / "rdzv" / "d.py").write_text("from elastic_mnist.rdzv import a\n")
+    assert circles(import_graph(pkg)) == [["elastic_mnist.rdzv.a", "elastic_mnist.rdzv.b", "elastic_mnist.rdzv.c"]]
 
 
 def _climbs(run) -> dict[tuple[str, str], int]:

@@ -159,8 +159,8 @@ def check_etcd(launch: Launch) -> str:
 
 def _check_etcd_v3(launch: Launch) -> str:
     from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
-    from elastic_mnist.rendezvous._secrets import secret
-    from elastic_mnist.rendezvous.conf import EtcdV3ConfigError, connection_spec  # as the backend reads them
+    from elastic_mnist.rendezvous._secrets import connection_spec, secret  # as the backend reads them
+    from elastic_mnist.rendezvous.conf import EtcdV3ConfigError
 
     try:
         secret(launch.conn.get("secret_file"))  # a missing or short rendezvous secret is a config error

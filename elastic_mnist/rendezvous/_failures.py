@@ -9,16 +9,28 @@ from __future__ import annotations
 
 import socket
 import ssl
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
-
-if TYPE_CHECKING:
-    from elastic_mnist.rendezvous._client import EtcdConnectionSpec
 
 # Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
 USER_ENV = "ELASTIC_MNIST_ETCD_USER"
 PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"
+
+
+class EtcdConnectionSpec(Protocol):
+    """What a message reads of _client.EtcdConnectionSpec (named here by shape, so that the two modules
+    do not import each other)."""
+
+    host: str
+    port: int
+    protocol: str
+    cert: str | None
+    user: str | None
+    read_timeout: float
+
+    @property
+    def endpoint(self) -> str: ...
 
 
 def rpc_status(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:

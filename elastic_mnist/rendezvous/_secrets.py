@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from elastic_mnist import job_secret
 from elastic_mnist.errors import UserError
 from elastic_mnist.files import RefusedFile, read_regular
 from elastic_mnist.job_secret import SECRET_FILE_ENV
-from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, USER_ENV, EtcdV3Error
+from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, USER_ENV, EtcdConnectionSpec, EtcdV3Error
+from elastic_mnist.rendezvous.conf import EtcdV3ConfigError, value_of
 
 _warned_password = False
 MAX_PASSWORD_BYTES = 4096  # etcd hashes passwords with bcrypt, which reads 72 bytes: 4 KiB holds any of them
@@ -76,3 +79,17 @@ def read_secret(path: str, source: str) -> bytes:
         return job_secret.read(path, source)
     except UserError as exc:
         raise EtcdV3Error(str(exc)) from None
+
+
+def connection_spec(endpoint: str, conf: Mapping[str, Any]) -> EtcdConnectionSpec:
+    """How to reach etcd from conf's connection keys (the rest are ignored). user and password_file fall
+    back to the environment; password= works with one warning (credentials)."""
+    read_timeout = value_of("read_timeout", conf.get("read_timeout"))
+    outage = value_of("outage_timeout", conf.get("outage_timeout"))
+    try:
+        user, password = credentials(conf.get("user"), conf.get("password"), conf.get("password_file"))
+        return EtcdConnectionSpec.parse(endpoint, conf.get("protocol"), read_timeout, user=user, password=password,
+                                        **{k: conf.get(k) for k in ("cacert", "cert", "key")},
+                                        **({} if outage is None else {"outage_timeout": outage}))
+    except EtcdV3Error as exc:
+        raise EtcdV3ConfigError(str(exc)) from exc

@@ -14,7 +14,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error, run_key
-from elastic_mnist.rendezvous._secrets import secret
+from elastic_mnist.rendezvous._secrets import connection_spec, secret
 from elastic_mnist.rendezvous.conf import (
     DEFAULT_CRASH_LIMIT,
     DEFAULT_CRASH_WINDOW_S,
@@ -24,7 +24,6 @@ from elastic_mnist.rendezvous.conf import (
     EtcdV3ConfigError,
     check_keys,
     check_values,
-    connection_spec,
 )
 
 

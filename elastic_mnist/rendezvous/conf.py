@@ -13,13 +13,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic_mnist.errors import UserError
 from elastic_mnist.torchrun_settings import RDZV_CONF
-
-if TYPE_CHECKING:
-    from elastic_mnist.rendezvous._client import EtcdConnectionSpec
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_READ_TIMEOUT_S = 10.0  # each etcd call's deadline: an unreachable etcd is one error within 10 s
@@ -148,27 +145,6 @@ def parse_conf(text: str) -> dict[str, str]:
     check_keys(conf)
     check_values(conf)
     return conf
-
-
-def _number(conf: Mapping[str, Any], key: str) -> float | None:
-    return value_of(key, conf.get(key))
-
-
-def connection_spec(endpoint: str, conf: Mapping[str, Any]) -> EtcdConnectionSpec:
-    """How to reach etcd from conf's connection keys (the rest are ignored). user and password_file fall
-    back to the environment; password= works with one warning (_secrets.credentials)."""
-    from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error
-    from elastic_mnist.rendezvous._secrets import credentials
-
-    read_timeout = _number(conf, "read_timeout")
-    outage = _number(conf, "outage_timeout")
-    try:
-        user, password = credentials(conf.get("user"), conf.get("password"), conf.get("password_file"))
-        return EtcdConnectionSpec.parse(endpoint, conf.get("protocol"), read_timeout, user=user, password=password,
-                                        **{k: conf.get(k) for k in ("cacert", "cert", "key")},
-                                        **({} if outage is None else {"outage_timeout": outage}))
-    except EtcdV3Error as exc:
-        raise EtcdV3ConfigError(str(exc)) from exc
 
 
 def describe() -> str:
