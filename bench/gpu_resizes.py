@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from elastic_mnist import procs
+from elastic_mnist.contract.env import NODE_ENV
 from elastic_mnist.runlog import read_records, worker_round
 
 NCCL_INIT = re.compile(r"^\S+:(\d+):\d+ \[\d+\] NCCL INFO .*Init COMPLETE", re.MULTILINE)
@@ -69,7 +70,7 @@ def _resize(work: Path, cmd: list[str], agents: dict, gpus: int) -> list[str]:
 
 
 def _start(work: Path, cmd: list[str], node: str, gpus: int, suffix: str = "") -> subprocess.Popen:
-    env = procs.child_env(**{procs.NODE_ENV: node, "NCCL_DEBUG": "INFO"})
+    env = procs.child_env(**{NODE_ENV: node, "NCCL_DEBUG": "INFO"})
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = str(int(node[1:]) % gpus)  # one GPU per node, as on two machines
     with open(work / f"{node}{suffix}.log", "wb") as log_file:

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_mnist import exit_codes
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.worker.build import build_trainer

@@ -24,7 +24,7 @@ from pathlib import Path
 from bench import report
 from bench.machine import describe, one_line
 from bench.runner import REPO, child_env, log, median, python_m
-from elastic_mnist.procs import NODE_ENV
+from elastic_mnist.contract.env import NODE_ENV
 from elastic_mnist.usage import usage
 
 START, END = "<!-- soak:start -->", "<!-- soak:end -->"

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 
 SUPPORTED = "torch 2.13-2.14"
 RDZV = "dynamic rendezvous internals"

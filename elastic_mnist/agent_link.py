@@ -33,9 +33,10 @@ import time
 from contextlib import suppress
 from typing import NoReturn
 
-from elastic_mnist import exit_codes, files, procs
+from elastic_mnist import files, procs
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import AGENT_DIR_ENV, AGENT_PID_ENV
 
-AGENT_DIR_ENV = "ELASTIC_MNIST_AGENT_DIR"
 CONFIG_ERROR = "config-error"
 ROUND_OVER = "round-over"  # a worker's round ended for a membership change: restart it, count nothing
 STOPPING = "stopping"  # the agent is stopping its workers for a new round: a worker ending its round just exits
@@ -211,5 +212,5 @@ def end_process(code: int, environ=os.environ, stopped: bool = False) -> NoRetur
 
 def _started_by_agent(environ) -> bool:
     """torchrun's own child (a stand-in or a cold worker), not a fork of the warm process."""
-    agent = environ.get(procs.AGENT_PID_ENV, "")
+    agent = environ.get(AGENT_PID_ENV, "")
     return agent.isdigit() and os.getppid() == int(agent)

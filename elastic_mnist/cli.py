@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from elastic_mnist import exit_codes
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.errors import UserError
 
 # Imported lazily: `status`, `etcd` and `startwatch` must not pay for importing torch.
 SUBCOMMANDS = {

@@ -19,11 +19,12 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 
-from elastic_mnist import exit_codes, files
-from elastic_mnist.errors import UserError
+from elastic_mnist import files
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import DATA_DIR_ENV
+from elastic_mnist.contract.errors import UserError
 
 # The one env var Kubernetes needs: a pod spec can point every command at a mounted data volume.
-DATA_DIR_ENV = "ELASTIC_MNIST_DATA_DIR"
 
 
 # The default in-memory snapshot root: tmpfs, one per user ({uid} is filled in where it is used).

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist.errors import NodeLocalError
+from elastic_mnist.contract.env import NODE_ENV, PEER_BEACONS_ENV
+from elastic_mnist.contract.errors import NodeLocalError
 from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard
-from elastic_mnist.netprobe import PEER_BEACONS_ENV, wait_for_listener
-from elastic_mnist.procs import NODE_ENV
+from elastic_mnist.netprobe import wait_for_listener
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.env import SECRET_FILE_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.files import RefusedFile, read_regular
 
-SECRET_FILE_ENV = "ELASTIC_MNIST_RDZV_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096  # `openssl rand -hex 32` writes 65 bytes: 4 KiB holds any key, and no /dev/zero
 SECRET_FIX = "give a regular file holding the key, e.g. `(umask 077; openssl rand -hex 32 > FILE)`"

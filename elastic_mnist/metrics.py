@@ -14,7 +14,8 @@ import threading
 import time
 
 from elastic_mnist import procs, volume
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.env import STARTED_AT_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.files import atomic_write
 from elastic_mnist.runlog import RunLog
 
@@ -202,7 +203,7 @@ def process_age_s() -> float:
     The start time is in clock ticks since boot; CLOCK_BOOTTIME is the same clock (btime in /proc/stat
     is rounded to whole seconds and would be off by up to one). A warm child counts from its stand-in's
     exec, where torchrun started this worker (elastic_mnist/warm)."""
-    handed = os.environ.get(procs.STARTED_AT_ENV)
+    handed = os.environ.get(STARTED_AT_ENV)
     if handed:
         return time.time() - float(handed)
     ticks = procs.start_ticks(os.getpid())

@@ -24,7 +24,6 @@ import socket
 import time
 from typing import NamedTuple
 
-PEER_BEACONS_ENV = "ELASTIC_MNIST_PEER_BEACONS"
 PROBE_TIMEOUT_S = 0.3  # an agent's probe while a round forms: a reachable kernel answers in well under a millisecond
 
 

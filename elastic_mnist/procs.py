@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import AGENT_ONLY, AGENT_PID_ENV
 
 T = TypeVar("T")
 
@@ -148,33 +149,13 @@ def torchrun_command(torchrun_args: list[str], module_args: list[str], module: s
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *program, *module_args]
 
 
-# Set by an etcd-v3 agent for the workers it starts: its own pid, so a worker tells "my agent died before I
-# looked" from "my agent is PID 1" (torchrun as a container's entrypoint).
-AGENT_PID_ENV = "ELASTIC_MNIST_AGENT_PID"
-# Set by an etcd-v3 agent for the workers it starts: where its warm process listens (elastic_mnist/warm).
-WARM_ADDRESS_ENV = "ELASTIC_MNIST_WARM"
-# Set by an etcd-v3 agent for the workers it starts: the token its warm process serves (elastic_mnist/warm).
-WARM_TOKEN_ENV = "ELASTIC_MNIST_WARM_TOKEN"
-# Set in a worker forked from a warm process (elastic_mnist/warm): the wall time its stand-in was exec()ed
-# by torchrun, where this worker's start really began (its own kernel start time is the fork).
-STARTED_AT_ENV = "ELASTIC_MNIST_STARTED_AT"
-
-# The name a launcher gives the node a worker runs on (elastic-mnist local: n0, n1, ...); workers stamp
-# their journal records with it (default: the host name), so a reader knows where each record came from.
-NODE_ENV = "ELASTIC_MNIST_NODE"
-
-
-_AGENT_ONLY = (WARM_ADDRESS_ENV, WARM_TOKEN_ENV, STARTED_AT_ENV, AGENT_PID_ENV,
-               "ELASTIC_MNIST_AGENT_DIR")  # (agent_link.AGENT_DIR_ENV)
-
-
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child that runs our code: no inherited rank variables (a test run under
     torchrun must not leak its own), this venv first on PATH, unbuffered output, and one intra-op
     thread unless the caller set more (several processes share few cores)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_",
                                                                      "ROLE_", "TORCHELASTIC", "MASTER_"))
-           and k not in _AGENT_ONLY}  # what an agent hands its own workers: never a test's child
+           and k not in AGENT_ONLY}  # what an agent hands its own workers: never a test's child
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from k8s_manifests import container, pod_spec, resolve_env
 from k8s_pods import T0, exited, pod, running, waiting
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.ops import startrules
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_train, worker_env
 
-from elastic_mnist import exit_codes
 from elastic_mnist.config import POSITIVE, RANGES, TrainConfig, flag_name, parse_args
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.mnist import RAW_FILES, load_split, write_synthetic_mnist
-from elastic_mnist.errors import UserError
 
 # Derived from the dataclass, so a float field added later is covered without touching this test.
 FLOAT_FIELDS = [f.name for f in fields(TrainConfig) if f.type in (float, "float")]

@@ -15,9 +15,10 @@ from volumes import tiny_tmpfs
 
 from elastic_mnist import job_secret
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.contract.env import SECRET_FILE_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.mnist import Split
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import snapshots
@@ -215,7 +216,7 @@ def test_with_a_job_secret_the_worker_keys_its_checkpoints_and_refuses_planted_o
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(16).hex())
     secret.chmod(0o600)
-    monkeypatch.setenv(job_secret.SECRET_FILE_ENV, str(secret))
+    monkeypatch.setenv(SECRET_FILE_ENV, str(secret))
     in_process_trainer(_config(tmp_path, max_steps=20), *_data()).train()
     state = checkpoint.load_latest(str(tmp_path / "ckpt"), key=_key(secret))[0] | {"step": 900}
     # Keyed with another secret under this job's key name (copied from a header): skipped as damage.

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.format import CheckpointError
 from elastic_mnist.state.writer import CheckpointWriter

@@ -84,7 +84,7 @@ def test_direct_idx_reader_matches_torchvision(tmp_path):
 def test_truncated_idx_file_is_a_clear_error(tmp_path):
     import pytest
 
-    from elastic_mnist.errors import UserError
+    from elastic_mnist.contract.errors import UserError
 
     root = write_synthetic_mnist(tmp_path, n_train=100, n_test=20)
     path = root / "MNIST" / "raw" / "train-images-idx3-ubyte"
@@ -97,7 +97,7 @@ def test_global_batch_smaller_than_the_world_is_refused():
     import pytest
 
     from elastic_mnist.config import TrainConfig
-    from elastic_mnist.errors import UserError
+    from elastic_mnist.contract.errors import UserError
 
     TrainConfig(global_batch_size=4).check_world_size(4)
     with pytest.raises(UserError, match="smaller than the world size 5"):

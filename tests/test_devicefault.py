@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_mnist import agent_link, exit_codes
-from elastic_mnist.errors import NodeLocalError
+from elastic_mnist import agent_link
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.errors import NodeLocalError
 from elastic_mnist.worker import life
 from elastic_mnist.worker import train as worker_train
 from elastic_mnist.worker.devicefault import device_fault

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.worker.failure import Bounds, FailureHandoff
 
 WAIT_S = 10.0  # how long a test waits for anything at all: far above every bound below

@@ -13,7 +13,8 @@ from test_bad_volume import _config, _data
 from trainers import in_process_trainer
 from volumes import fill, remount, tiny_tmpfs
 
-from elastic_mnist import exit_codes, volume
+from elastic_mnist import volume
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.distributed import DistEnv
 from elastic_mnist.runlog import RunLog, events_dir, read_records
 from elastic_mnist.state import format as checkpoint

@@ -30,7 +30,7 @@ from k8s_pods import (
     unschedulable,
 )
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.ops import pod as pod_entry
 from elastic_mnist.ops import preflight, startrules, startwatch
 

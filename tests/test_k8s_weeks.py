@@ -16,7 +16,7 @@ from k8s_manifests import argv, container, pod_spec, resolve_env, trainer_job
 from k8s_model import MAX_POD_FAILURE_BACKOFF_S, BadNodeRun, JobModel, index_backoff
 from k8s_pods import T0, disruption, exited, node, pod, running, terminated, terminated_after_delete, unschedulable
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.ops import noderules, startrules, startwatch
 from elastic_mnist.ops import pod as pod_entry
 from elastic_mnist.worker.devicefault import device_fault

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from elastic_mnist.config import TrainConfig, given_fields, parse_args
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local.flags import RUN_DIR_MARK, parse
 from elastic_mnist.local.launcher import Launcher
 from elastic_mnist.local.nodes import Node, restart_delay

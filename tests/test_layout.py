@@ -22,7 +22,7 @@ FLOORS = [
     {"runlog", "procs", "files", "netprobe", "_torch_compat", "graveyard", "usage"},
     {"volume"},  # a full or read-only log or checkpoint volume: what the journal and the writers share
     {"_compat_checks"},  # how _torch_compat checks torch (public names only)
-    {"errors", "exit_codes"},
+    {"contract"},  # what the processes share: environment variables, exit codes, user errors (stdlib only)
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 
@@ -138,6 +138,34 @@ def test_a_circle_through_a_type_checking_or_a_lazy_import_is_found(tmp_path):
     (pkg / "rdzv" / "c.py").write_text("def f():\n    import elastic_mnist.rdzv.a\n")
     (pkg / "rdzv" / "d.py").write_text("from elastic_mnist.rdzv import a\n")
     assert circles(import_graph(pkg)) == [["elastic_mnist.rdzv.a", "elastic_mnist.rdzv.b", "elastic_mnist.rdzv.c"]]
+
+
+def env_names_spelled(package: Path = PACKAGE) -> list[str]:
+    """Every string outside contract/ that is, or begins with, one of our environment variables' names (prose
+    that mentions one, such as a message's `$ELASTIC_MNIST_DATA_DIR`, is for people and may)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if "contract" in path.relative_to(package).parts:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef,
+                ast.FunctionDef, ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+        found += [f"{path.relative_to(package.parent)}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("ELASTIC_MNIST_")
+                  and id(n) not in docs]
+    return found
+
+
+def test_our_environment_variables_are_named_in_contract_only():
+    assert env_names_spelled() == []
+
+
+def test_a_variable_spelled_outside_contract_is_found(tmp_path):
+    (tmp_path / "elastic_mnist" / "contract").mkdir(parents=True)
+    (tmp_path / "elastic_mnist" / "contract" / "env.py").write_text('NODE_ENV = "ELASTIC_MNIST_NODE"\n')
+    (tmp_path / "elastic_mnist" / "a.py").write_text('"""Reads ELASTIC_MNIST_NODE."""\nX = "set $ELASTIC_MNIST_X"\n'
+                                                     'Y = f"{X}ELASTIC_MNIST_Y"\nZ = ("A", "ELASTIC_MNIST_")\n')
+    assert env_names_spelled(tmp_path / "elastic_mnist") == ["elastic_mnist/a.py:3", "elastic_mnist/a.py:4"]
 
 
 def _climbs(run) -> dict[tuple[str, str], int]:

@@ -14,8 +14,9 @@ from contextlib import contextmanager
 import pytest
 
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.contract.env import PEER_BEACONS_ENV
 from elastic_mnist.distributed import read_env
-from elastic_mnist.netprobe import PEER_BEACONS_ENV, check, split_address, wait_for_listener
+from elastic_mnist.netprobe import check, split_address, wait_for_listener
 from elastic_mnist.rendezvous._liveness import Beacon
 from elastic_mnist.worker import control
 from elastic_mnist.worker.control import ControlPlane

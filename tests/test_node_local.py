@@ -15,9 +15,11 @@ from types import SimpleNamespace
 import pytest
 from gloo_group import run_group
 
-from elastic_mnist import agent_link, exit_codes
+from elastic_mnist import agent_link
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.errors import NodeLocalError, PeerNodeLocalError, UserError
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import AGENT_DIR_ENV
+from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError, UserError
 from elastic_mnist.ops.nodecheck import NodeLocal
 from elastic_mnist.rendezvous._verdict import Verdict
 from elastic_mnist.state import sync
@@ -94,7 +96,7 @@ def test_the_agent_ends_its_node_alone_without_closing_the_rendezvous(tmp_path, 
     handler = SimpleNamespace(next_rendezvous=lambda: calls.append("joined"), num_nodes_waiting=lambda: 0,
                               set_closed=lambda: calls.append("closed"), shutdown=lambda: calls.append("shutdown"))
     store = SimpleNamespace(set=lambda *a: calls.append("store"))
-    agent_link.report_node_local("checkpoint dir /c is not writable on this node", {agent_link.AGENT_DIR_ENV:
+    agent_link.report_node_local("checkpoint dir /c is not writable on this node", {AGENT_DIR_ENV:
                                                                                   str(tmp_path)})
     assert agent_link.config_error(str(tmp_path)) is None, "not the job's configuration error"
     verdict = Verdict(handler, SimpleNamespace(closed=False), store, "job", str(tmp_path), lambda: None)

@@ -14,8 +14,8 @@ import torch
 from trainers import GivenData, in_process_trainer
 
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.mnist import Split
-from elastic_mnist.errors import UserError
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.worker.optim import Adam  # torch.optim.SGD would import torch._dynamo: seconds
 from elastic_mnist.worker.parallel import DataParallel

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import REPO, worker_env
 
+from elastic_mnist.contract.env import NODE_LOCAL_HOLD_ENV
 from elastic_mnist.etcd.server import free_port
 from elastic_mnist.ops import nodecheck, preflight
 from elastic_mnist.ops.preflight import NODE_LOCAL, PERMANENT, TRANSIENT, parse_launch, run_checks
@@ -117,7 +118,7 @@ def test_a_node_with_an_old_driver_is_node_local_and_holds_its_exit(small_mnist,
     version.write_text(OLD_DRIVER)
     monkeypatch.setattr(nodecheck, "NVIDIA_VERSION", str(version))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setenv(preflight.HOLD_ENV, "0.3")
+    monkeypatch.setenv(NODE_LOCAL_HOLD_ENV, "0.3")
     start = time.monotonic()
     code, lines = checks(launch_for("127.0.0.1:1", small_mnist, tmp_path / "ckpt", "--backend=nccl"))
     assert code == NODE_LOCAL and time.monotonic() - start >= 0.3, lines
@@ -198,7 +199,7 @@ def test_user_and_password_in_rdzv_conf_work_as_in_torchrun(etcd_server_auth, sm
 def test_an_unknown_rdzv_conf_key_is_refused_in_the_same_words_everywhere(capsys):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elastic_mnist.ops import preflight, status
+    from elastic_mnist.ops import status
     from elastic_mnist.rendezvous.conf import EtcdV3ConfigError
     from elastic_mnist.rendezvous.etcd_v3 import parse_settings
 
@@ -215,7 +216,7 @@ def test_an_unknown_rdzv_conf_key_is_refused_in_the_same_words_everywhere(capsys
 
 
 def test_backend_preflight_and_status_share_one_schema():
-    from elastic_mnist.ops import preflight, status
+    from elastic_mnist.ops import status
     from elastic_mnist.rendezvous import conf, etcd_v3
 
     assert etcd_v3.SCHEMA is preflight.SCHEMA is status.SCHEMA is conf.SCHEMA

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import publish
 

@@ -12,7 +12,7 @@ import pickle
 
 from etcd_fixtures import rdzv_params
 
-from elastic_mnist.exit_codes import OK, PERMANENT
+from elastic_mnist.contract.exit_codes import OK, PERMANENT
 from elastic_mnist.rendezvous._closed import EXIT_BARRIER_KEY, closed_verdict
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
 

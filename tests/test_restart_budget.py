@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_mnist import agent_link, exit_codes
+from elastic_mnist import agent_link
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import AGENT_DIR_ENV, AGENT_PID_ENV
 from elastic_mnist.rendezvous._budget import RestartBudget
 
 
@@ -120,7 +122,7 @@ def _child_ending(tmp_path, code: int, stopped: bool = False):
 
     from elastic_mnist import procs
 
-    env = procs.child_env(**{agent_link.AGENT_DIR_ENV: str(tmp_path), procs.AGENT_PID_ENV: str(os.getpid())})
+    env = procs.child_env(**{AGENT_DIR_ENV: str(tmp_path), AGENT_PID_ENV: str(os.getpid())})
     program = f"from elastic_mnist import agent_link; agent_link.end_process({code}, stopped={stopped})"
     return subprocess.Popen([sys.executable, "-c", program], env=env)
 

@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.loader import build_loader, mnist_dataset, mnist_datasets
 from elastic_mnist.data.mnist import BatchPlan, load_split
 from elastic_mnist.data.sampler import ElasticDistributedSampler
-from elastic_mnist.errors import UserError
 
 GLOBAL_BATCH, SEED = 100, 7  # 2,000 samples: 20 steps an epoch; 100 = 34 + 33 + 33 at world size 3
 

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status

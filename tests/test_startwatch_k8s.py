@@ -19,7 +19,7 @@ import pytest
 from conftest import load_render
 from k8s_manifests import argv, container, find, pod_labels, pod_spec, resolve_env, runtime_labels, trainer_job
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.ops import startrules, startwatch
 
 REPO = Path(__file__).resolve().parent.parent

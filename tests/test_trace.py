@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import goodput
 from elastic_mnist.local.flags import parse
 from elastic_mnist.local.launcher import Launcher

@@ -12,7 +12,9 @@ import pytest
 import torch
 from conftest import REPO, run_train, worker_env
 
-from elastic_mnist import agent_link, exit_codes, procs
+from elastic_mnist import agent_link, procs
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import AGENT_DIR_ENV
 from elastic_mnist.data.mnist import BatchPlan
 from elastic_mnist.etcd.server import free_port
 from elastic_mnist.runlog import read_records
@@ -81,7 +83,7 @@ def test_unwritable_checkpoint_dir_ends_this_node_only(small_mnist, tmp_path):
     (tmp_path / "agent").mkdir(mode=0o700)
     args = ["--data-dir", small_mnist, "--checkpoint-dir", str(tmp_path / "blocker" / "ckpt"),
             "--log-dir", str(tmp_path / "runs"), "--max-steps", "2"]
-    run = run_train(args, **{agent_link.AGENT_DIR_ENV: str(tmp_path / "agent")})
+    run = run_train(args, **{AGENT_DIR_ENV: str(tmp_path / "agent")})
     assert run.returncode == exit_codes.NODE_LOCAL and "not writable on this node" in run.stderr
     assert run.stderr.strip().count("\n") == 0
     assert agent_link.node_local(str(tmp_path / "agent")) in run.stderr

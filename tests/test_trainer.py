@@ -95,7 +95,7 @@ def test_a_resume_loads_one_progress_in_place_from_one_decode(tmp_path, monkeypa
 
 
 def test_a_checkpoint_of_another_set_of_objects_is_refused_before_anything_loads():
-    from elastic_mnist.errors import UserError
+    from elastic_mnist.contract.errors import UserError
     from elastic_mnist.state.registry import Progress, load_into
 
     progress = Progress(step=3)

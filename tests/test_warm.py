@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 from elastic_mnist import agent_link, procs
+from elastic_mnist.contract.env import WARM_ADDRESS_ENV
 from elastic_mnist.warm import _wire, settings
 from elastic_mnist.warm.agent import start_for_workers
 from elastic_mnist.warm.inbox import REQUEST_TIMEOUT_S
@@ -77,7 +78,7 @@ def test_a_warm_child_runs_the_command_with_its_output_arguments_and_exit_code(w
 
 
 def test_without_a_server_the_process_starts_cold(script, tmp_path):
-    env = procs.child_env(**{_wire.ADDRESS_ENV: str(tmp_path / "warm.sock")})  # nobody listens there
+    env = procs.child_env(**{WARM_ADDRESS_ENV: str(tmp_path / "warm.sock")})  # nobody listens there
     proc = _start(script, env, "exit", "5")
     seen = _first_line(proc)
     proc.communicate(timeout=120)
@@ -120,12 +121,13 @@ def test_the_child_dies_with_its_stand_in(warm, script):
 
 ASK = textwrap.dedent("""
     import json, os, socket, sys
+    from elastic_mnist.contract.env import WARM_TOKEN_ENV
     from elastic_mnist.warm import _wire
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(sys.argv[1])
     raw = sys.stdin.buffer.read()
     if sys.argv[2] == "json":  # as a stand-in of the agent sends it: with the token its environment holds
-        raw = json.dumps({"token": os.environ.get(_wire.TOKEN_ENV, "")} | json.loads(raw)).encode()
+        raw = json.dumps({"token": os.environ.get(WARM_TOKEN_ENV, "")} | json.loads(raw)).encode()
     if sys.argv[2] == "raw":  # bytes as they are, with the stand-in's descriptors
         socket.send_fds(sock, [raw[:4]], list(_wire.STDIO))
         if raw[4:]:  # (a head the server refuses at once is answered before more could be sent)
@@ -143,7 +145,7 @@ def _ask(env: dict, request, raw: bool = False) -> dict:
     """What the warm process that `env` names answers a stand-in (a child of this test process, the server's
     agent, with its token)."""
     data = request if raw else json.dumps(request).encode()
-    done = subprocess.run([sys.executable, "-c", ASK, env[_wire.ADDRESS_ENV], "raw" if raw else "json"], input=data,
+    done = subprocess.run([sys.executable, "-c", ASK, env[WARM_ADDRESS_ENV], "raw" if raw else "json"], input=data,
                           capture_output=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -215,7 +217,7 @@ def test_a_malformed_request_gets_one_line_and_the_server_goes_on(warm, script, 
 
 
 def test_only_the_agents_own_workers_are_served_on_a_private_socket(warm):
-    address = warm[_wire.ADDRESS_ENV]
+    address = warm[WARM_ADDRESS_ENV]
     assert os.stat(os.path.dirname(address)).st_mode & 0o777 == 0o700 and stat.S_ISSOCK(os.stat(address).st_mode)
     # A grandchild of the agent (the shell stays its parent) is no worker of it: another program of this user.
     done = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" "$1" json; true', ASK, address],
@@ -333,4 +335,4 @@ def test_kept_workers_end_with_their_agent(tmp_path):
     assert code == 5 and procs.alive(first["pid"])
     warm.end()
     assert (tmp_path / "left").read_text() == "end: its agent ends" and not procs.alive(first["pid"])
-    assert not os.path.exists(environ[_wire.ADDRESS_ENV]), "the socket is removed with its warm process"
+    assert not os.path.exists(environ[WARM_ADDRESS_ENV]), "the socket is removed with its warm process"

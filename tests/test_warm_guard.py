@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastic_mnist import agent_link, procs
+from elastic_mnist.contract.env import WARM_ADDRESS_ENV, WARM_TOKEN_ENV
 from elastic_mnist.warm import _wire
 from elastic_mnist.warm.agent import start_for_workers
 
@@ -26,6 +27,7 @@ COLD = "elastic-mnist warm start: starting cold: "
 # another version, or a broken one, would send it. It prints where it runs.
 STAND_IN = textwrap.dedent("""
     import json, os, sys
+    from elastic_mnist.contract.env import WARM_TOKEN_ENV
     from elastic_mnist.warm import _wire, handoff
     real = _wire.request_from_here
     def changed(*args):
@@ -35,7 +37,7 @@ STAND_IN = textwrap.dedent("""
     _wire.request_from_here = changed
     handoff()
     print(json.dumps({"pid": os.getpid(), "warm": "ELASTIC_MNIST_STARTED_AT" in os.environ,
-                      "token": os.environ.get(_wire.TOKEN_ENV)}), flush=True)
+                      "token": os.environ.get(WARM_TOKEN_ENV)}), flush=True)
 """)
 
 
@@ -141,7 +143,7 @@ def test_a_module_the_warm_process_has_not_imported_is_imported_by_the_worker_al
 def test_a_process_of_the_agent_without_its_token_is_told_nothing_and_logged_once(warm, token):
     """As an orphan re-parented to a PID-1 agent would be: the right user and parent, but not started by the
     agent, so without the token the agent gives its workers. It gets no worker and no answer."""
-    env = {k: v for k, v in warm.env.items() if k != _wire.TOKEN_ENV} | ({_wire.TOKEN_ENV: token} if token else {})
+    env = {k: v for k, v in warm.env.items() if k != WARM_TOKEN_ENV} | ({WARM_TOKEN_ENV: token} if token else {})
     before = warm.log.read_text()
     done, seen = stand_in(SimpleNamespace(env=env, script=warm.script))
     assert not seen["warm"] and done.stderr == "", "it started cold, told nothing"
@@ -152,7 +154,7 @@ def test_a_process_of_the_agent_without_its_token_is_told_nothing_and_logged_onc
 
 def test_the_token_is_handed_to_the_warm_process_only_and_never_to_a_worker(warm):
     """Not among the warm process's arguments (`ps`), nor in the environment a warm worker runs with."""
-    token = warm.env[_wire.TOKEN_ENV]
+    token = warm.env[WARM_TOKEN_ENV]
     done, seen = stand_in(warm, "")
     assert seen["warm"] and seen["token"] is None
     server = next(pid for pid in procs.descendants(os.getpid())
@@ -182,7 +184,7 @@ OOM = ["sh", "-c", 'echo 500 > /proc/self/oom_score_adj && exec "$@"', "sh"]  # 
 def _under(warm, tmp_path, wrapper: list[str], warm_start: bool) -> tuple[dict, str]:
     script = tmp_path / "settings.py"
     script.write_text(SETTINGS)
-    env = warm.env if warm_start else {k: v for k, v in warm.env.items() if k != _wire.ADDRESS_ENV}
+    env = warm.env if warm_start else {k: v for k, v in warm.env.items() if k != WARM_ADDRESS_ENV}
     done = subprocess.run([*wrapper, sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elastic_mnist.contract.env import CACHE_DIR_ENV
 from elastic_mnist.files import atomic_write
 
-CACHE_DIR_ENV = "ELASTIC_MNIST_CACHE_DIR"
 HEADER_BYTES = 4096
 FORMAT = "elastic-mnist-split-v1"
 SAMPLED_ROWS = 256  # rows compared against the raw file on every load: ~1 ms, catches a wrong payload

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.mnist import MNIST_MEAN, MNIST_STD, raw_paths, read_split, torchvision
 from elastic_mnist.data.sampler import ElasticDistributedSampler
-from elastic_mnist.errors import UserError
 
 
 def mnist_dataset(root: str, train: bool, download: bool = False) -> Dataset:

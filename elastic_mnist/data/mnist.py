@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from elastic_mnist import files
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data import cache as mnist_cache
-from elastic_mnist.errors import UserError
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 RAW_FILES = {

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 
 RETRY_S = 1.0  # between attempts while etcd starts; each attempt is bounded by --read-timeout
 

@@ -19,8 +19,8 @@ import signal
 import sys
 import threading
 
-from elastic_mnist import exit_codes
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, private_token_file
 from elastic_mnist.files import RefusedFile, read_regular
 

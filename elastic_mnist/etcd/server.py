@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.files import RefusedFile, atomic_create, open_append, read_regular
 from elastic_mnist.procs import die_with_parent_preexec
 

@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.runlog import worker_round
 
 HOST_KINDS = ("vanish", "down", "cut", "heal")

@@ -12,7 +12,7 @@ import time
 
 from elastic_mnist import config as train_config
 from elastic_mnist.config import TrainConfig, given_fields
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import chaos, netns, trace
 
 

@@ -20,14 +20,16 @@ import signal
 import sys
 import time
 
-from elastic_mnist import exit_codes, files, torchrun_settings
+from elastic_mnist import files, torchrun_settings
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import NODE_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import chaos, hosts, trace
 from elastic_mnist.local.flags import RUN_DIR_MARK, parse
 from elastic_mnist.local.live import LiveView
 from elastic_mnist.local.nodes import Node, restart_delay
-from elastic_mnist.procs import NODE_ENV, alive, child_env, torchrun_command
+from elastic_mnist.procs import alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
 from elastic_mnist.state import snapshots
 

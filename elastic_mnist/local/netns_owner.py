@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 
 STATE_DIR = "/run/elastic-mnist-hosts"
 PREFIX = "emh-"  # every namespace made here: emh-RUN-HOST

@@ -22,7 +22,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import chaos, goodput
 from elastic_mnist.local.nodes import signal_groups
 

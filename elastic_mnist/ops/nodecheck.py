@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from elastic_mnist.errors import NodeLocalError
+from elastic_mnist.contract.errors import NodeLocalError
 
 NVIDIA_VERSION = "/proc/driver/nvidia/version"  # the loaded kernel module's version, in any GPU container
 # The oldest driver each CUDA major version runs on (NVIDIA's CUDA release notes, "CUDA Toolkit and

@@ -37,11 +37,12 @@ import sys
 import threading
 import time
 
-from elastic_mnist import exit_codes, procs
-from elastic_mnist.errors import UserError
+from elastic_mnist import procs
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import POD_STOP_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.ops.preflight import Launch, closed_line, finished_line, hold_node_local, parse_launch
 
-STOP_ENV = "ELASTIC_MNIST_STOP_S"
 STOP_S = 50.0  # after a SIGTERM: torchrun's shutdown (30 s by default) plus DRAIN_S, with a margin
 DRAIN_S = 15.0  # after torchrun exits: how long the container's other processes may take to end
 _KILL_WAIT_S = 5.0  # after SIGKILL: a process stuck in the kernel (a hung NFS write) is left to the container's end
@@ -173,11 +174,11 @@ def _verdict(launch: Launch, config) -> int | None:
 
 
 def _stop_s() -> float:
-    value = os.environ.get(STOP_ENV, "")
+    value = os.environ.get(POD_STOP_ENV, "")
     try:
         return float(value) if value else STOP_S
     except ValueError:
-        raise UserError(f"${STOP_ENV}={value!r} is not a number of seconds") from None
+        raise UserError(f"${POD_STOP_ENV}={value!r} is not a number of seconds") from None
 
 
 def run(argv: list[str]) -> int:

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic_mnist.config import parse_args
-from elastic_mnist.errors import UserError
-from elastic_mnist.exit_codes import NODE_LOCAL, OK, PERMANENT, TRANSIENT, killed_by
+from elastic_mnist.contract.env import NODE_LOCAL_HOLD_ENV
+from elastic_mnist.contract.errors import UserError
+from elastic_mnist.contract.exit_codes import NODE_LOCAL, OK, PERMANENT, TRANSIENT, killed_by
 from elastic_mnist.ops.nodecheck import NodeLocal, check_device, check_shm, kernel_hung
 from elastic_mnist.rendezvous.conf import CONNECTION_KEYS, SCHEMA, parse_conf
 
@@ -42,7 +43,6 @@ __all__ = ["NODE_LOCAL", "PERMANENT", "SCHEMA", "TRANSIENT", "Launch",
 BACKENDS = ("etcd-v3", "etcd")
 # What preflight reads from --rdzv-conf: how to reach etcd, and the secret the state is sealed with.
 CONN_KEYS = (*CONNECTION_KEYS, "secret_file")
-HOLD_ENV = "ELASTIC_MNIST_NODE_LOCAL_HOLD_S"
 
 
 class Permanent(Exception):
@@ -224,9 +224,10 @@ def hold_node_local(say, who: str = "preflight", stop: threading.Event | None = 
     its node gave up): the pod is not terminal yet, so the Job creates no replacement until the start
     watchdog has had two sweeps to mark this node."""
     try:
-        hold = float(os.environ.get(HOLD_ENV) or 0)
+        hold = float(os.environ.get(NODE_LOCAL_HOLD_ENV) or 0)
     except ValueError:
-        say(f"{who}: ${HOLD_ENV}={os.environ[HOLD_ENV]!r} is not a number of seconds: exiting without holding")
+        say(f"{who}: ${NODE_LOCAL_HOLD_ENV}={os.environ[NODE_LOCAL_HOLD_ENV]!r} is not a number of seconds: "
+            "exiting without holding")
         return
     if hold > 0:
         say(f"{who}: holding {hold:.0f}s before exit {NODE_LOCAL}, so that this node is marked first")

@@ -13,7 +13,7 @@ import json
 import sys
 from datetime import datetime, timezone
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.rendezvous.conf import SCHEMA, parse_conf
 
 __all__ = ["SCHEMA", "build_parser", "collect", "main", "render"]

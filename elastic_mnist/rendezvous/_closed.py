@@ -23,7 +23,7 @@ import sys
 from torch.distributed import Store
 
 from elastic_mnist._torch_compat import round_store_prefix
-from elastic_mnist.exit_codes import OK, PERMANENT
+from elastic_mnist.contract.exit_codes import OK, PERMANENT
 from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._state import decode_state
 

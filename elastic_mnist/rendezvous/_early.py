@@ -13,7 +13,8 @@ import sys
 
 from torch.distributed import Store
 
-from elastic_mnist import agent_link, exit_codes
+from elastic_mnist import agent_link
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.rendezvous import _flags as job_flags
 from elastic_mnist.rendezvous._settings import EtcdV3Settings
 from elastic_mnist.rendezvous._verdict import ALONE

@@ -13,9 +13,9 @@ from typing import Protocol
 
 import grpc
 
+from elastic_mnist.contract.env import PASSWORD_FILE_ENV, USER_ENV
+
 # Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
-USER_ENV = "ELASTIC_MNIST_ETCD_USER"
-PASSWORD_FILE_ENV = "ELASTIC_MNIST_ETCD_PASSWORD_FILE"
 
 
 class EtcdConnectionSpec(Protocol):

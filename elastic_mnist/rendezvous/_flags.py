@@ -24,7 +24,7 @@ from torch.distributed import Store
 
 from elastic_mnist._torch_compat import DynamicRendezvousHandler
 from elastic_mnist.config import flag_name, parse_args
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.warm.plan import TRAIN_MODULE, WorkerPlan
 
 FINGERPRINT_KEY = "elastic-mnist/fingerprint"

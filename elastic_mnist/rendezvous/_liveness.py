@@ -31,7 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from elastic_mnist.netprobe import PEER_BEACONS_ENV, PROBE_TIMEOUT_S, probe, split_address
+from elastic_mnist.contract.env import PEER_BEACONS_ENV
+from elastic_mnist.netprobe import PROBE_TIMEOUT_S, probe, split_address
 from elastic_mnist.rendezvous import _ordered
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._lease import LeaseKeeper

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_mnist import job_secret
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.env import PASSWORD_FILE_ENV, SECRET_FILE_ENV, USER_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.files import RefusedFile, read_regular
-from elastic_mnist.job_secret import SECRET_FILE_ENV
-from elastic_mnist.rendezvous._client import PASSWORD_FILE_ENV, USER_ENV, EtcdConnectionSpec, EtcdV3Error
+from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error
 from elastic_mnist.rendezvous.conf import EtcdV3ConfigError, value_of
 
 _warned_password = False

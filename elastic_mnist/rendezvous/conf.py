@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.torchrun_settings import RDZV_CONF
 
 BACKEND_NAME = "etcd-v3"

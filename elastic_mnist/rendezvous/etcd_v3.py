@@ -61,8 +61,9 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
 from elastic_mnist import _torch_compat as compat
-from elastic_mnist import agent_link, job_secret, procs
-from elastic_mnist.errors import UserError
+from elastic_mnist import agent_link, job_secret
+from elastic_mnist.contract.env import AGENT_PID_ENV
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.rendezvous._budget import count_only_own_failures
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
@@ -270,7 +271,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     state = backend.get_state()
     exit_if_closed(params.run_id, state, store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
-    os.environ[procs.AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     flags = before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from elastic_mnist import files, volume
-from elastic_mnist.errors import NodeLocalError, UserError
+from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.state import publish
 
 MAGIC = b"EMNISTCK"

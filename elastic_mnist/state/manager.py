@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from elastic_mnist import _torch_compat as compat
 from elastic_mnist import volume
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import Metrics, percentile
 from elastic_mnist.state import fence, snapshots
 from elastic_mnist.state import format as checkpoint

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 
 
 class Stateful(Protocol):

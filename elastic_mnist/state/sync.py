@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError, UserError
 from elastic_mnist.distributed import group_device, wait
-from elastic_mnist.errors import NodeLocalError, PeerNodeLocalError, UserError
 from elastic_mnist.state import format as checkpoint
 
 MEMORY = "memory"  # the source of a state held in this process's memory

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from elastic_mnist import volume
-from elastic_mnist.errors import UserError
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.state.format import (
     CheckpointError,
     TooLargeHere,

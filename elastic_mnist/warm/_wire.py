@@ -12,7 +12,7 @@ Every message is a 4-byte length and JSON; descriptors (SCM_RIGHTS) ride with th
   {"refused": why}; {"detach": code} (the round is over, the worker stays); {"end": why} (its agent ends).
 The socket is a path in the agent's private directory (0700, agent_link.py), and the warm process serves
 only its own user's processes that are children of its agent (SO_PEERCRED) and whose request carries the
-token its agent handed its workers (TOKEN_ENV; a re-parented orphan of an agent that is PID 1 has none):
+token its agent handed its workers (WARM_TOKEN_ENV; a re-parented orphan of an agent that is PID 1 has none):
 torchrun's workers.
 """
 
@@ -25,12 +25,8 @@ import socket
 import struct
 import sys
 
-from elastic_mnist import procs
 from elastic_mnist.warm import settings
 
-ADDRESS_ENV = procs.WARM_ADDRESS_ENV
-TOKEN_ENV = procs.WARM_TOKEN_ENV
-STARTED_ENV = procs.STARTED_AT_ENV
 SOCKET_NAME = "warm.sock"
 STDIO = (0, 1, 2)
 _LEN = struct.Struct("!I")

@@ -11,6 +11,7 @@ import io
 import os
 import sys
 
+from elastic_mnist.contract.env import PREFIX, STARTED_AT_ENV
 from elastic_mnist.warm import _wire, settings
 
 _REPLACED: list = []  # earlier stdio objects: kept, because collecting one would close fd 0/1/2
@@ -18,7 +19,7 @@ _OWN: list[int] = []  # copies of the warm process's stdio (its agent's), for a 
 # Set per round by torchrun (and by our agent), so they may differ between the rounds a kept worker serves;
 # anything else in the environment must be what the worker was built with.
 ROUND_ENV = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "WORLD_SIZE", "MASTER_", "TORCHELASTIC_",
-             "TORCH_NCCL_", "NCCL_ASYNC_ERROR_HANDLING", "ELASTIC_MNIST_", "CUDA_MODULE_LOADING")
+             "TORCH_NCCL_", "NCCL_ASYNC_ERROR_HANDLING", PREFIX, "CUDA_MODULE_LOADING")
 
 
 def become(request: dict, fds: list[int]) -> str:
@@ -37,7 +38,7 @@ def become(request: dict, fds: list[int]) -> str:
         _reopen_stdio(bool(request.get("unbuffered")))
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ[_wire.STARTED_ENV] = repr(float(request["started"]))
+    os.environ[STARTED_AT_ENV] = repr(float(request["started"]))
     os.chdir(request["cwd"])
     sys.path[:] = request["path"]
     sys.argv[:] = request["argv"]

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.warm import _wire, inbox, probe
 from elastic_mnist.warm.child import Job
 from elastic_mnist.warm.fleet import ATTACHING, BUILDING, IDLE, RUNNING, STARTING, Fleet, Worker

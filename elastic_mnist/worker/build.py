@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic_mnist import job_secret
+from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.inputs import build_inputs
 from elastic_mnist.data.mnist import BatchPlan, Split, dataset_fingerprint
 from elastic_mnist.distributed import DistEnv
-from elastic_mnist.errors import UserError
 from elastic_mnist.metrics import Metrics, check_log_dir
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint

@@ -23,7 +23,8 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from elastic_mnist import agent_link, exit_codes
+from elastic_mnist import agent_link
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.distributed import RoundAbandoned
 
 # What a failure save may take beyond --collective-timeout before the watchdog gives up on it: the same

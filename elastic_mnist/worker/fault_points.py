@@ -18,7 +18,8 @@ import os
 import signal
 import time
 
-VARIABLE = "ELASTIC_MNIST_FAULT"
+from elastic_mnist.contract.env import FAULT_ENV
+
 _SIGNALS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}
 _PLACES = {"stop": ("data", "control"), "kill": ("data", "control", "muster"), "fail": ("teardown",)}
 
@@ -30,7 +31,7 @@ def parse(text: str) -> dict | None:
     kind, *pairs = text.split(":")
     fields = dict(p.split("=", 1) for p in pairs)
     if fields.get("at") not in _PLACES.get(kind, ()):
-        raise ValueError(f"{VARIABLE}={text!r}: expected stop|kill:rank=R:step=S:at=data|control, "
+        raise ValueError(f"{FAULT_ENV}={text!r}: expected stop|kill:rank=R:step=S:at=data|control, "
                          "kill:rank=R:round=N:at=muster or fail:rank=R:step=S:at=teardown")
     rank = fields.get("rank", "any")  # a fail may name no rank: whichever the process holds (tests pick a node)
     return {"kind": kind, "rank": -1 if rank == "any" else int(rank), "step": int(fields.get("step", -1)),
@@ -39,7 +40,7 @@ def parse(text: str) -> dict | None:
 
 class FaultPoints:
     def __init__(self, rank: int, start_step: int, text: str | None = None):
-        self.fault = parse(os.environ.get(VARIABLE, "") if text is None else text)
+        self.fault = parse(os.environ.get(FAULT_ENV, "") if text is None else text)
         self.rank, self.start_step = rank, start_step
 
     def failure(self, at: str, step: int) -> str:
@@ -49,7 +50,7 @@ class FaultPoints:
                 not self.start_step < f["step"] <= step:
             return ""
         self.fault = None
-        return f"{at} failed ({VARIABLE})"
+        return f"{at} failed ({FAULT_ENV})"
 
     def reach(self, at: str, step: int) -> None:
         f = self.fault

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_mnist import distributed, exit_codes, graveyard
-from elastic_mnist.errors import NodeLocalError, PeerNodeLocalError
+from elastic_mnist import distributed, graveyard
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from elastic_mnist import exit_codes
+from elastic_mnist.contract import exit_codes
 
 _EARLY: StopRequest | None = None
 

@@ -4,7 +4,7 @@
         -m elastic_mnist.train --data-dir DATA --checkpoint-dir CKPT --log-dir RUNS
     python -m elastic_mnist.train --data-dir ../shared/data --epochs 1      # one process, no torchrun
 
-Every start is a resume, and each start-up step is safe to repeat. Exit codes (elastic_mnist.exit_codes): 0 done
+Every start is a resume, and each start-up step is safe to repeat. Exit codes (contract/exit_codes.py): 0 done
 (or stopped on our own SIGTERM), 78 a configuration error (one line; under etcd-v3 it ends the whole job), 69 a
 problem of this node only (its checkpoint dir, a GPU that fails: worker/devicefault.py; under etcd-v3 it ends this
 node, the job goes on), 75 the group stopped for a membership change (torchrun restarts us into the next round), 74
@@ -22,9 +22,11 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist import agent_link, distributed, exit_codes, procs
+from elastic_mnist import agent_link, distributed, procs
 from elastic_mnist.config import parse_args
-from elastic_mnist.errors import NodeLocalError, UserError
+from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.env import STARTED_AT_ENV
+from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.worker import life
 from elastic_mnist.worker import stop as stop_signals
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
     procs.best_effort_console()  # a closed stdout (`| head`, an agent's pipe gone) never ends training
     stop = stop_signals.for_process()  # installed before the slow start-up (by -m elastic_mnist.train: before
     # torch loads): a preemption during it is still a graceful stop
-    if distributed.read_env().launched and procs.STARTED_AT_ENV not in os.environ:  # a warm child's parent is
+    if distributed.read_env().launched and STARTED_AT_ENV not in os.environ:  # a warm child's parent is
         # the warm process, which set this up at the fork (warm/child.py). If our torchrun agent dies, stop at the
         # next step boundary with the group and save (SIGHUP), rather than die with the steps since the last
         # snapshot (SIGKILL).

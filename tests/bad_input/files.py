@@ -25,6 +25,7 @@ from bad_input.frame import (
     warned,
     worker_exit,
 )
+from elastic_mnist.contract.env import CACHE_DIR_ENV, SECRET_FILE_ENV
 
 
 def _state(step: int) -> dict:
@@ -83,7 +84,7 @@ def _snapshot_restore(target: Path, ctx: Ctx) -> Outcome:
 
 
 def _worker_secret(target: Path, ctx: Ctx) -> Outcome:
-    from elastic_mnist.job_secret import SECRET_FILE_ENV, from_env
+    from elastic_mnist.job_secret import from_env
 
     return worker_exit(lambda: from_env({SECRET_FILE_ENV: str(target)}))
 
@@ -188,7 +189,6 @@ def _read_only_data(place: Path) -> Path:
 
 
 def _load_beside_read_only(target: Path, ctx: Ctx) -> Outcome:
-    from elastic_mnist.data.cache import CACHE_DIR_ENV
     from elastic_mnist.data.mnist import load_split
 
     fallback = target.parent / "xdg"

@@ -92,7 +92,7 @@ def worker_exit(fn: Callable[[], Any]) -> Outcome:
     """fn raises the UserError that the worker's main prints as one line and exits on: 78 for a configuration
     error (tests/test_bad_input.py runs that in a real worker; under etcd-v3 it ends the whole job), 69 for a
     NodeLocalError (this node's own; it ends this node only)."""
-    from elastic_mnist.errors import NodeLocalError, UserError
+    from elastic_mnist.contract.errors import NodeLocalError, UserError
 
     try:
         fn()

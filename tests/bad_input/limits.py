@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bad_input.files import _etcd_cli, _planted
 from bad_input.frame import Attempt, Ctx, Outcome, Row, Setup, cli, place_itself, rdzv, worker_exit
+from elastic_mnist.contract.env import SECRET_FILE_ENV
 
 
 def _flag(arg: str) -> Attempt:
@@ -119,7 +120,6 @@ def _trained_with(secret: str | None) -> Setup:
     def setup(place: Path) -> Path:
         from trainers import in_process_trainer
 
-        from elastic_mnist.job_secret import SECRET_FILE_ENV
 
         saved = os.environ.pop(SECRET_FILE_ENV, None)
         try:
@@ -138,7 +138,6 @@ def _resume_with(secret: str | None) -> Attempt:
     def attempt(target: Path, ctx: Ctx) -> Outcome:
         from trainers import in_process_trainer
 
-        from elastic_mnist.job_secret import SECRET_FILE_ENV
 
         ctx.monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
         if secret is not None:
@@ -210,7 +209,7 @@ def _private(name: str, mode: int, owner: int | None = None) -> Setup:
 
 
 def _worker_secret(target: Path, ctx: Ctx) -> Outcome:
-    from elastic_mnist.job_secret import SECRET_FILE_ENV, from_env
+    from elastic_mnist.job_secret import from_env
 
     return worker_exit(lambda: from_env({SECRET_FILE_ENV: str(target)}))
 

@@ -12,7 +12,8 @@ import pytest
 from etcd_fixtures import rdzv_params
 
 from e2e.job import Job
-from elastic_mnist import exit_codes, procs
+from elastic_mnist import procs
+from elastic_mnist.contract import exit_codes
 from elastic_mnist.rendezvous._state import decode_state
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
 

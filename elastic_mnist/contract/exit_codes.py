@@ -1,6 +1,6 @@
 """Every exit code elastic-mnist gives, once each: workers, torchrun's agents, preflight, pod and the CLI.
 
-    python -c "from elastic_mnist import exit_codes; print(exit_codes.PERMANENT)"
+    python -c "from elastic_mnist.contract import exit_codes; print(exit_codes.PERMANENT)"
 
 The numbers follow sysexits.h where one fits, so a Kubernetes podFailurePolicy, torchrun and a shell
 read them the usual way. Changing one breaks the manifests' onExitCodes (tests/test_k8s.py checks them).
