@@ -36,7 +36,7 @@ import torch
 from bench import machine
 from bench.runner import REPO, Runner, log, python_m
 from elastic_mnist import procs
-from elastic_mnist._torch_compat import fresh_worker_store
+from elastic_mnist.compat.private import fresh_worker_store
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic_mnist import _torch_compat as compat
+from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import NODE_ENV, PEER_BEACONS_ENV
 from elastic_mnist.contract.errors import NodeLocalError
 from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard

@@ -19,9 +19,8 @@ FLOORS = [
     # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
     {"config", "distributed", "metrics", "torchrun_settings", "warm", "job_secret"},
     {"agent_link"},  # what an agent and its workers share: torchrun's child (a stand-in or a worker) ends there
-    {"runlog", "procs", "files", "netprobe", "_torch_compat", "graveyard", "usage"},
+    {"runlog", "procs", "files", "netprobe", "compat", "graveyard", "usage"},  # compat: torch reshaped in one place
     {"volume"},  # a full or read-only log or checkpoint volume: what the journal and the writers share
-    {"_compat_checks"},  # how _torch_compat checks torch (public names only)
     {"contract"},  # what the processes share: environment variables, exit codes, user errors (stdlib only)
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

@@ -12,8 +12,9 @@ import pickle
 
 from etcd_fixtures import rdzv_params
 
+from elastic_mnist.compat.private import exit_barrier_key
 from elastic_mnist.contract.exit_codes import OK, PERMANENT
-from elastic_mnist.rendezvous._closed import EXIT_BARRIER_KEY, closed_verdict
+from elastic_mnist.rendezvous._closed import closed_verdict
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
 
 
@@ -38,9 +39,9 @@ def test_closed_rendezvous_is_finished_only_after_the_exit_barrier(etcd_server_v
         assert code == PERMANENT and "did not finish" in line and run_id in line
         # What torch's exit barrier leaves when every agent of round 3 succeeded (an earlier round's
         # barrier does not count).
-        store.set(f"torch.rendezvous.{run_id}.2/{EXIT_BARRIER_KEY}", "<val_ignored>")
+        store.set(f"torch.rendezvous.{run_id}.2/{exit_barrier_key()}", "<val_ignored>")
         assert closed_verdict(run_id, backend.get_state()[0], store)[0] == PERMANENT
-        store.set(f"torch.rendezvous.{run_id}.3/{EXIT_BARRIER_KEY}", "<val_ignored>")
+        store.set(f"torch.rendezvous.{run_id}.3/{exit_barrier_key()}", "<val_ignored>")
         code, line = closed_verdict(run_id, backend.get_state()[0], store)
         assert code == OK and "the job finished" in line and "round 3" in line
     finally:

@@ -11,7 +11,7 @@ from etcd_fixtures import raw_client, rdzv_params
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from elastic_mnist._torch_compat import round_store_prefix
+from elastic_mnist.compat.private import round_store_prefix
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
 from elastic_mnist.rendezvous._lease import LeaseKeeper

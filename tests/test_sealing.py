@@ -17,7 +17,7 @@ from etcd_fixtures import raw_client, rdzv_params, state_bits
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_mnist import _torch_compat as compat
+from elastic_mnist.compat import private as compat
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, run_key

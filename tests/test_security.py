@@ -22,7 +22,7 @@ from etcd_fixtures import etcd_server_auth, rdzv_params, state_bits  # noqa: F40
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_mnist import _torch_compat as compat
+from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 
 from elastic_mnist import agent_link
-from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.rendezvous.conf import BACKEND_NAME
 

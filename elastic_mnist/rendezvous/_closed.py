@@ -22,13 +22,10 @@ import sys
 
 from torch.distributed import Store
 
-from elastic_mnist._torch_compat import round_store_prefix
+from elastic_mnist.compat.private import exit_barrier_key, round_store_prefix
 from elastic_mnist.contract.exit_codes import OK, PERMANENT
 from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._state import decode_state
-
-# torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID + utils/store.py's _LAST_MEMBER_CHECKIN
-EXIT_BARRIER_KEY = "torchelastic/agent/terminal_state/last_member"
 
 
 def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple[int, str] | None:
@@ -42,7 +39,7 @@ def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple
         reason = store.get(CONFIG_ERROR_KEY).decode(errors="replace")
         return PERMANENT, (f"rendezvous {run_id} is closed: a configuration error ended the job ({reason}); fix it "
                            "and start again with a new --rdzv-id (nothing was deleted)")
-    if store.check([f"{round_store_prefix(run_id, state.round)}{EXIT_BARRIER_KEY}"]):
+    if store.check([f"{round_store_prefix(run_id, state.round)}{exit_barrier_key()}"]):
         return OK, (f"rendezvous {run_id} is closed: the job finished (every node of round {state.round} "
                     "succeeded); nothing to do")
     return PERMANENT, (f"rendezvous {run_id} is closed but the job did not finish (a node gave up): see the "

@@ -22,7 +22,7 @@ import logging
 
 from torch.distributed import Store
 
-from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.config import flag_name, parse_args
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.warm.plan import TRAIN_MODULE, WorkerPlan

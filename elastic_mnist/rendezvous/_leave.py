@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastic_mnist import _torch_compat as compat
-from elastic_mnist._torch_compat import Action, DynamicRendezvousHandler, RendezvousContext, RendezvousExitOp
+from elastic_mnist.compat import private as compat
+from elastic_mnist.compat.private import Action, DynamicRendezvousHandler, RendezvousContext, RendezvousExitOp
 from elastic_mnist.rendezvous._client import EtcdV3Client
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
-from elastic_mnist import _torch_compat as compat
-from elastic_mnist._torch_compat import (
+from elastic_mnist.compat import private as compat
+from elastic_mnist.compat.private import (
     Action,
     BackendRendezvousStateHolder,
     DistributedRendezvousOpExecutor,

@@ -26,8 +26,8 @@ from datetime import timedelta
 
 from torch.distributed import DistStoreError, Store
 
-from elastic_mnist import _torch_compat as compat
-from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.compat import private as compat
+from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView
 

@@ -22,7 +22,7 @@ from typing import NoReturn
 from torch.distributed import Store
 
 from elastic_mnist import agent_link
-from elastic_mnist._torch_compat import DynamicRendezvousHandler
+from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._closed import exit_if_closed

@@ -60,8 +60,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token, create_handler
 
-from elastic_mnist import _torch_compat as compat
 from elastic_mnist import agent_link, job_secret
+from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import AGENT_PID_ENV
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.rendezvous._budget import count_only_own_failures
@@ -270,12 +270,12 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise
     state = backend.get_state()
     exit_if_closed(params.run_id, state, store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
-    compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see _torch_compat
+    compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see compat/private.py
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     flags = before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)
-    compat.quick_event_names()  # 0.8 s of a rendezvous's CPU on 2 cores: see _torch_compat
+    compat.quick_event_names()  # 0.8 s of a rendezvous's CPU on 2 cores: see compat/private.py
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
     if backend.view is not None:  # always, as create_backend builds it

@@ -10,7 +10,7 @@ Workers do not use this store: by default torch shares a TCPStore hosted by the 
 torch's C++ layer (the PrefixStore torchrun's agent hands around) reaches a Python Store through a
 pybind trampoline that looks up methods by their C++ names for some calls (`getNumKeys`, `deleteKey`)
 and by their Python names for others (`compare_set`, `multi_get`, `multi_set`, `append`,
-`has_extended_api`, `clone`), so both spellings exist here (the C++ ones added by _torch_compat).
+`has_extended_api`, `clone`), so both spellings exist here (the C++ ones added by compat/private.py).
 Read-modify-write operations (add, append, compare_set) are one etcd transaction guarded by the key's
 mod_revision, retried on a lost race.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
-from elastic_mnist._torch_compat import with_cpp_store_names
+from elastic_mnist.compat.private import with_cpp_store_names
 from elastic_mnist.rendezvous import _ordered
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._lease import LeaseKeeper

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from elastic_mnist import _torch_compat as compat
 from elastic_mnist import volume
+from elastic_mnist.compat import private as compat
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.distributed import DistEnv

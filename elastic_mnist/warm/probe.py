@@ -108,7 +108,7 @@ def _probe() -> int:
     try:
         import torch
 
-        from elastic_mnist import _torch_compat as compat
+        from elastic_mnist.compat import private as compat
 
         if compat.cuda_bad_fork():
             return _CUDA

@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from elastic_mnist import _torch_compat as compat
 from elastic_mnist import netprobe
+from elastic_mnist.compat import private as compat
 from elastic_mnist.distributed import bury, group_device, wait
 from elastic_mnist.worker.stop import StopRequest
 

@@ -1,8 +1,8 @@
-"""How _torch_compat checks torch's internals: each check records what it covered and fails with one line
+"""How compat/private.py checks torch's internals: each check records what it covered and fails with one line
 naming the torch version, the mismatch and the supported range. Public names only; the private ones are
-reached in _torch_compat.py.
+reached in compat/private.py.
 
-    python -m elastic_mnist._torch_compat    # runs every check, prints what they covered
+    python -m elastic_mnist.compat    # runs every check, prints what they covered
 """
 
 from __future__ import annotations

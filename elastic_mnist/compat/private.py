@@ -1,6 +1,6 @@
 """One place for torch's private API: every private torch name elastic-mnist uses, checked when imported.
 
-    python -m elastic_mnist._torch_compat    # prints each checked name, then OK (or the one mismatch)
+    python -m elastic_mnist.compat    # prints each checked name, then OK (or the one mismatch)
 
 elastic-mnist builds on internals torch does not promise to keep: the dynamic rendezvous handler's op
 executor, state holder and state classes (rendezvous/_prompt.py, _leave.py, etcd_v3.py), the names torch's
@@ -8,7 +8,7 @@ C++ Store trampoline dispatches to (rendezvous/store.py), the default store and 
 (worker/control.py), the NCCL abort (distributed.py) and torch._foreach_copy_ (state/manager.py). They are
 reached here and nowhere else (tests/test_torch_compat.py enforces it), and checked at import: a torch whose
 internals moved fails with ONE line naming its version and the mismatch, not with a rendezvous that
-silently misbehaves (the checks: _compat_checks.py). The pickled state classes are checked against the
+silently misbehaves (the checks: compat/checks.py). The pickled state classes are checked against the
 torch-free stand-ins of rendezvous/_state.py by `check_pickled_classes`, which etcd_v3.py runs on import.
 
 The checks are cheap (hasattr, annotations, signatures, names in code objects, one in-memory PrefixStore):
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from elastic_mnist._compat_checks import C10D as _C10D
-from elastic_mnist._compat_checks import (  # noqa: F401 (the checks)
+from elastic_mnist.compat.checks import C10D as _C10D
+from elastic_mnist.compat.checks import (  # noqa: F401 (the checks)
     CHECKED,
     SUPPORTED,
     TorchCompatError,
@@ -40,7 +40,7 @@ from elastic_mnist._compat_checks import (  # noqa: F401 (the checks)
     require_in_code,
     require_params,
 )
-from elastic_mnist._compat_checks import RDZV as _RDZV
+from elastic_mnist.compat.checks import RDZV as _RDZV
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ ROUND_PREFIX = "torch.rendezvous."  # DynamicRendezvousHandler._wrap_store: each
 def round_store_prefix(run_id: str, round_: int) -> str:
     """Where torch's agent keeps round `round_`'s keys in the rendezvous store (checked with the handler)."""
     return f"{ROUND_PREFIX}{run_id}.{round_}/"
+
+
+@functools.cache
+def exit_barrier_key() -> str:
+    """The key torch's agents set in a round's store as the last one leaves the exit barrier, as torch names it
+    (agent/server/api.py's _TERMINAL_STATE_SYNC_ID + utils/store.py's _LAST_MEMBER_CHECKIN)."""
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.utils import store
+
+    return require(api, "_TERMINAL_STATE_SYNC_ID") + require(store, "_LAST_MEMBER_CHECKIN")
 
 
 def __getattr__(name: str):
