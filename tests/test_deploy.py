@@ -18,8 +18,8 @@ import yaml
 from conftest import load_render, tool
 from torch.distributed.run import get_args_parser
 
-from elastic_mnist import torchrun_settings
 from elastic_mnist.config import parse_args
+from elastic_mnist.contract import torchrun as torchrun_settings
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "deploy" / "Dockerfile"

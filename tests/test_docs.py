@@ -6,7 +6,7 @@ import re
 from conftest import REPO
 
 from elastic_mnist.config import flags_markdown
-from elastic_mnist.torchrun_settings import MAX_RESTARTS, MONITOR_INTERVAL, RDZV_CONF, rdzv_conf
+from elastic_mnist.contract.torchrun import MAX_RESTARTS, MONITOR_INTERVAL, RDZV_CONF, rdzv_conf
 
 README = (REPO / "README.md").read_text()
 CI = (REPO / ".ci" / "run").read_text()

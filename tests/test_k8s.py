@@ -40,9 +40,9 @@ from k8s_manifests import (
 )
 from torch.distributed.run import get_args_parser
 
-from elastic_mnist import torchrun_settings
 from elastic_mnist.config import parse_args
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract import torchrun as torchrun_settings
 from elastic_mnist.ops import preflight
 
 REPO = Path(__file__).resolve().parent.parent

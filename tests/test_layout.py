@@ -17,7 +17,7 @@ FLOORS = [
     {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
     {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
     # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
-    {"config", "distributed", "metrics", "torchrun_settings", "warm", "job_secret"},
+    {"config", "distributed", "metrics", "warm", "job_secret"},
     {"agent_link"},  # what an agent and its workers share: torchrun's child (a stand-in or a worker) ends there
     {"runlog", "procs", "files", "netprobe", "compat", "graveyard", "usage"},  # compat: torch reshaped in one place
     {"volume"},  # a full or read-only log or checkpoint volume: what the journal and the writers share
@@ -61,6 +61,12 @@ def test_every_room_is_on_a_floor():
     rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
              if (p.suffix == ".py" or (p / "__init__.py").exists())}
     assert rooms == set(FLOOR), f"unplaced: {rooms - set(FLOOR)}, gone: {set(FLOOR) - rooms}"
+
+
+def test_the_package_root_holds_at_most_15_modules():
+    """The root is for what every process shares; the rest lives in a folder named for its process or base."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if not p.name.startswith("__"))
+    assert len(root) <= 15, root
 
 
 def test_every_import_runs_downward():

@@ -15,7 +15,7 @@ _RendezvousState before torch unpickles it, so x/y/z are states of rounds 1/2/3.
 twice, without and with a state secret (sealed states). Each simulated node has its own etcd
 connection, as separate agents do. Upstream freezes the clock with mock.patch; here the heartbeats are
 real timestamps far enough either side of the expiry bound. Where upstream expects torch's default
-timeouts, etcd-v3 has the tuned defaults of elastic_mnist.torchrun_settings.RDZV_CONF.
+timeouts, etcd-v3 has the tuned defaults of elastic_mnist.contract.torchrun.RDZV_CONF.
 
 Does not apply, and why:
   BackendRendezvousStateHolderTest cache tests (test_sync_uses_cached_state_*, *_cached_state_has_expired):
@@ -56,11 +56,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
+from elastic_mnist.contract.torchrun import RDZV_CONF
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous.etcd_v3 import EtcdV3RendezvousBackend, create_rdzv_handler
 from elastic_mnist.rendezvous.store import EtcdV3Store
-from elastic_mnist.torchrun_settings import RDZV_CONF
 
 RUN_ID = "conformance"
 KEEP_ALIVE = timedelta(seconds=30)  # upstream's holder settings: a node is dead after 30 s x 3

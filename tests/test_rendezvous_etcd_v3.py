@@ -160,7 +160,7 @@ def test_entry_point_resolves_through_torchs_registry(etcd: EtcdServer) -> None:
 
 
 def test_tuned_defaults_apply_unless_a_key_is_given(etcd: EtcdServer) -> None:
-    from elastic_mnist.torchrun_settings import RDZV_CONF
+    from elastic_mnist.contract.torchrun import RDZV_CONF
 
     tuned = RDZV_CONF["etcd-v3"]
     handler = get_rendezvous_handler(rdzv_params(etcd.endpoint, last_call_timeout=7))

@@ -229,7 +229,7 @@ def test_restart_all_kills_the_whole_job_at_every_change(tmp_path):
 
 def test_the_workload_profile_and_the_c10d_baseline_flags():
     from elastic_mnist.config import parse_args
-    from elastic_mnist.torchrun_settings import torchrun_args
+    from elastic_mnist.contract.torchrun import torchrun_args
 
     assert parse_args(["--startup-cost", "8", "--min-step-time", "0.3"]).startup_cost == 8
     with pytest.raises(UserError, match="--startup-cost"):

@@ -20,9 +20,10 @@ import signal
 import sys
 import time
 
-from elastic_mnist import files, torchrun_settings
+from elastic_mnist import files
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract import torchrun as torchrun_settings
 from elastic_mnist.contract.env import NODE_ENV
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import chaos, hosts, trace

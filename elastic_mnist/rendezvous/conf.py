@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from elastic_mnist.contract.errors import UserError
-from elastic_mnist.torchrun_settings import RDZV_CONF
+from elastic_mnist.contract.torchrun import RDZV_CONF
 
 BACKEND_NAME = "etcd-v3"
 DEFAULT_READ_TIMEOUT_S = 10.0  # each etcd call's deadline: an unreachable etcd is one error within 10 s

@@ -64,6 +64,7 @@ from elastic_mnist import agent_link, job_secret
 from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import AGENT_PID_ENV
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.contract.torchrun import RDZV_CONF
 from elastic_mnist.rendezvous._budget import count_only_own_failures
 from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
@@ -87,7 +88,6 @@ from elastic_mnist.rendezvous.conf import (
     EtcdV3ConfigError,
 )
 from elastic_mnist.rendezvous.store import EtcdV3Store
-from elastic_mnist.torchrun_settings import RDZV_CONF
 
 # The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
 __all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",

@@ -8,7 +8,8 @@ import signal
 import subprocess
 from collections import Counter
 
-from elastic_mnist import procs, torchrun_settings
+from elastic_mnist import procs
+from elastic_mnist.contract import torchrun as torchrun_settings
 from elastic_mnist.runlog import read_records
 from elastic_mnist.state import fence
 from elastic_mnist.state import format as checkpoint

@@ -16,8 +16,9 @@ import pytest
 from conftest import REPO, worker_env
 
 from e2e.job import Job
-from elastic_mnist import procs, torchrun_settings
+from elastic_mnist import procs
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract import torchrun as torchrun_settings
 from elastic_mnist.ops.status import render
 from elastic_mnist.rendezvous.status import read_rendezvous_status
 

@@ -10,7 +10,8 @@ import subprocess
 from conftest import REPO, worker_env
 from etcd_fixtures import raw_client
 
-from elastic_mnist import procs, torchrun_settings
+from elastic_mnist import procs
+from elastic_mnist.contract import torchrun as torchrun_settings
 from elastic_mnist.rendezvous._client import run_key
 
 

@@ -1,7 +1,7 @@
 """The torchrun settings an elastic job needs, in one place: the local launcher, the Kubernetes
 manifests (checked by tests/test_k8s.py) and the README all use these.
 
-    python -c "from elastic_mnist.torchrun_settings import torchrun_args; print(torchrun_args('etcd'))"
+    python -c "from elastic_mnist.contract.torchrun import torchrun_args; print(torchrun_args('etcd'))"
 """
 
 from __future__ import annotations
