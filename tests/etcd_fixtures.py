@@ -36,8 +36,8 @@ import etcd3
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, run_key
 from elastic_mnist.etcd.server import EtcdServer
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, run_key
 from elastic_mnist.rendezvous.status import RendezvousState, decode_state
 
 if TYPE_CHECKING:

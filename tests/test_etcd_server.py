@@ -20,9 +20,9 @@ import pytest
 from etcd_fixtures import etcd_server, etcd_server_v3only  # noqa: F401  (pytest fixtures)
 
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client
 from elastic_mnist.etcd.server import BINARY_ENV, EtcdServer, find_etcd_binary
 from elastic_mnist.procs import alive, wait_exit
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
 
 REPO = Path(__file__).resolve().parents[1]
 

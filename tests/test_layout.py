@@ -14,8 +14,9 @@ FLOORS = [
     {"__init__", "__main__"},
     {"cli", "train", "task"},  # the public face: `elastic-mnist`, `-m elastic_mnist.train`, `Task`
     {"local", "ops"},  # the launcher; the pod entry, preflight and status
-    {"worker", "etcd"},  # the step loop; the embedded etcd (which sets up the rendezvous' accounts)
+    {"worker"},  # the step loop
     {"state", "data", "rendezvous"},  # what survives restarts; the data; the etcd-v3 backend
+    {"etcd"},  # the etcd client, its failures, lease, secrets and accounts; the embedded server (no torch)
     # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
     {"config", "distributed", "metrics", "warm", "job_secret"},
     {"agent_link"},  # what an agent and its workers share: torchrun's child (a stand-in or a worker) ends there
@@ -79,7 +80,7 @@ def test_an_upward_import_is_found(tmp_path):
     (pkg / "config.py").write_text("def f():\n    from elastic_mnist.state.manager import CheckpointManager\n")
     (pkg / "state" / "manager.py").write_text("from elastic_mnist import config, worker\n")
     assert upward_imports(pkg) == [
-        "elastic_mnist/config.py:2 (config, floor 5) imports elastic_mnist.state.manager (floor 4)",
+        "elastic_mnist/config.py:2 (config, floor 6) imports elastic_mnist.state.manager (floor 4)",
         "elastic_mnist/state/manager.py:1 (state, floor 4) imports elastic_mnist.worker (floor 3)",
     ]
 

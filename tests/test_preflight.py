@@ -199,8 +199,8 @@ def test_user_and_password_in_rdzv_conf_work_as_in_torchrun(etcd_server_auth, sm
 def test_an_unknown_rdzv_conf_key_is_refused_in_the_same_words_everywhere(capsys):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from elastic_mnist.contract.rdzv_conf import EtcdV3ConfigError
     from elastic_mnist.ops import status
-    from elastic_mnist.rendezvous.conf import EtcdV3ConfigError
     from elastic_mnist.rendezvous.etcd_v3 import parse_settings
 
     with pytest.raises(EtcdV3ConfigError) as backend:
@@ -216,8 +216,9 @@ def test_an_unknown_rdzv_conf_key_is_refused_in_the_same_words_everywhere(capsys
 
 
 def test_backend_preflight_and_status_share_one_schema():
+    from elastic_mnist.contract import rdzv_conf as conf
     from elastic_mnist.ops import status
-    from elastic_mnist.rendezvous import conf, etcd_v3
+    from elastic_mnist.rendezvous import etcd_v3
 
     assert etcd_v3.SCHEMA is preflight.SCHEMA is status.SCHEMA is conf.SCHEMA
     assert etcd_v3.VALID_KEYS is conf.VALID_KEYS and "password" in conf.SECRET_KEYS

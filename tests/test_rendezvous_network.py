@@ -20,10 +20,10 @@ from etcd_fixtures import raw_client
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic_mnist import procs
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error
+from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.etcd.server import EtcdServer
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error
 from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
-from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._liveness import RECHECK_S, Beacon, PeerLiveness, advertised_host
 from elastic_mnist.rendezvous._prompt import RoundView
 

@@ -27,11 +27,11 @@ from etcd_fixtures import raw_client, rdzv_params, wait_for_state
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist import procs
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client
+from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.etcd.server import EtcdServer, free_port
 from elastic_mnist.netprobe import probe
 from elastic_mnist.rendezvous import EtcdV3ConfigError
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
-from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness
 from elastic_mnist.rendezvous._ordered import put as put_ordered
 from elastic_mnist.rendezvous._prompt import LONG_AGO, RoundView

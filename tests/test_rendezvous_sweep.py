@@ -12,9 +12,9 @@ from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic_mnist.compat.private import round_store_prefix
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client
+from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.rendezvous import create_backend
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client
-from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView
 from elastic_mnist.rendezvous._sweep import KEEP_ROUNDS, sweep, sweep_beacons

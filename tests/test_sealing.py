@@ -18,10 +18,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist.compat import private as compat
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, run_key
+from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, run_key
-from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._partition import losing_side
 from elastic_mnist.rendezvous._state import seal, verified

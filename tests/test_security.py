@@ -24,10 +24,10 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._state import StateIntegrityError, is_sealed, seal, unseal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_the_password_is_on_no_command_line_and_in_no_log(tmp_path: Path, auth_e
 
 def test_password_on_the_command_line_still_works_but_warns_once(auth_etcd: EtcdServer,
                                                                  capfd: pytest.CaptureFixture[str]) -> None:
-    import elastic_mnist.rendezvous._secrets as secrets_module
+    import elastic_mnist.etcd.secrets as secrets_module
 
     secrets_module._warned_password = False
     user, password = auth_etcd.auth  # type: ignore[misc]

@@ -11,7 +11,7 @@ PREFIX = "ELASTIC_MNIST_"  # every variable below; a kept worker's round sets th
 DATA_DIR_ENV = PREFIX + "DATA_DIR"  # the data root: a pod spec points every command at a mounted volume
 CACHE_DIR_ENV = PREFIX + "CACHE_DIR"  # the decoded-data cache (data/cache.py), default ~/.cache/elastic-mnist
 # Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines
-# (rendezvous/_secrets.py); the agent hands the secret file's path on to its workers (job_secret.py).
+# (etcd/secrets.py); the agent hands the secret file's path on to its workers (job_secret.py).
 USER_ENV = PREFIX + "ETCD_USER"
 PASSWORD_FILE_ENV = PREFIX + "ETCD_PASSWORD_FILE"
 SECRET_FILE_ENV = PREFIX + "RDZV_SECRET_FILE"

@@ -5,7 +5,7 @@
 
 Makes etcd converge on: root with the given password, user `elastic-mnist` (--user) allowed to read
 and write only the --prefix keys (default /torchelastic/), authentication enabled (see
-rendezvous/_admin.py). Passwords come from files only, never from the command line. Idempotent: run it
+etcd/admin.py). Passwords come from files only, never from the command line. Idempotent: run it
 on every start. It retries until --wait seconds pass (etcd may still be starting or electing a leader);
 with --recheck it stays running, re-applying every RECHECK seconds and keeping --ready-file present
 only while the last check passed (the etcd pod's readiness, so trainers never reach an etcd without auth).
@@ -26,7 +26,7 @@ RETRY_S = 1.0  # between attempts while etcd starts; each attempt is bounded by 
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from elastic_mnist.rendezvous._admin import JOB_PREFIXES, JOB_USER
+    from elastic_mnist.etcd.admin import JOB_PREFIXES, JOB_USER
 
     p = argparse.ArgumentParser(prog="elastic-mnist etcd-auth", description=__doc__.splitlines()[0])
     p.add_argument("--endpoint", default="127.0.0.1:2379", help="etcd host:port (default 127.0.0.1:2379)")
@@ -49,9 +49,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _ensure_once(args: argparse.Namespace) -> None:
-    from elastic_mnist.rendezvous._admin import JobAccount, ensure_auth
-    from elastic_mnist.rendezvous._client import EtcdConnectionSpec
-    from elastic_mnist.rendezvous._secrets import read_password
+    from elastic_mnist.etcd.admin import JobAccount, ensure_auth
+    from elastic_mnist.etcd.client import EtcdConnectionSpec
+    from elastic_mnist.etcd.secrets import read_password
 
     spec = EtcdConnectionSpec.parse(args.endpoint, args.protocol, args.read_timeout, cacert=args.cacert,
                                     cert=args.cert, key=args.key)

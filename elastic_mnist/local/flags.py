@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _rdzv_conf(text: str, backend: str) -> dict:
     """--rdzv-conf KEY=VALUE,...; for etcd-v3 each key and value is checked as the agents will check them."""
     if backend == "etcd-v3":
-        from elastic_mnist.rendezvous.conf import parse_conf
+        from elastic_mnist.contract.rdzv_conf import parse_conf
 
         return parse_conf(text)
     items = [item.partition("=") for item in filter(None, text.split(","))]

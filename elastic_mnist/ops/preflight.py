@@ -34,8 +34,8 @@ from elastic_mnist.config import parse_args
 from elastic_mnist.contract.env import NODE_LOCAL_HOLD_ENV
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.contract.exit_codes import NODE_LOCAL, OK, PERMANENT, TRANSIENT, killed_by
+from elastic_mnist.contract.rdzv_conf import CONNECTION_KEYS, SCHEMA, parse_conf
 from elastic_mnist.ops.nodecheck import NodeLocal, check_device, check_shm, kernel_hung
-from elastic_mnist.rendezvous.conf import CONNECTION_KEYS, SCHEMA, parse_conf
 
 __all__ = ["NODE_LOCAL", "PERMANENT", "SCHEMA", "TRANSIENT", "Launch",
            "closed_line", "finished_line", "main", "parse_launch",
@@ -80,7 +80,7 @@ def parse_launch(argv: list[str]) -> Launch:
     ns, rest = p.parse_known_args(launcher)
     if ns.rdzv_backend not in BACKENDS:
         raise UserError(f"--rdzv-backend {ns.rdzv_backend!r} is not one of {', '.join(BACKENDS)}")
-    # etcd-v3's keys are checked as its backend will (conf.py); torch's legacy `etcd` backend has keys of
+    # etcd-v3's keys are checked as its backend will (contract/rdzv_conf.py); torch's legacy `etcd` backend has keys of
     # its own and ignores unknown ones, so for it only the connection keys are picked out.
     conf = parse_conf(ns.rdzv_conf) if ns.rdzv_backend == "etcd-v3" else \
         dict(item.partition("=")[::2] for item in ns.rdzv_conf.split(",") if item)
@@ -158,9 +158,9 @@ def check_etcd(launch: Launch) -> str:
 
 
 def _check_etcd_v3(launch: Launch) -> str:
-    from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
-    from elastic_mnist.rendezvous._secrets import connection_spec, secret  # as the backend reads them
-    from elastic_mnist.rendezvous.conf import EtcdV3ConfigError
+    from elastic_mnist.contract.rdzv_conf import EtcdV3ConfigError
+    from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error
+    from elastic_mnist.etcd.secrets import connection_spec, secret  # as the backend reads them
 
     try:
         secret(launch.conn.get("secret_file"))  # a missing or short rendezvous secret is a config error

@@ -14,7 +14,7 @@ import sys
 from datetime import datetime, timezone
 
 from elastic_mnist.contract.errors import UserError
-from elastic_mnist.rendezvous.conf import SCHEMA, parse_conf
+from elastic_mnist.contract.rdzv_conf import SCHEMA, parse_conf
 
 __all__ = ["SCHEMA", "build_parser", "collect", "main", "render"]
 

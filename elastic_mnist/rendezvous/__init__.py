@@ -28,9 +28,9 @@ _EXPORTS = {
     "VALID_KEYS": "elastic_mnist.rendezvous.etcd_v3",
     "create_backend": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3Store": "elastic_mnist.rendezvous.store",
-    "EtcdV3Client": "elastic_mnist.rendezvous._client",
-    "EtcdConnectionSpec": "elastic_mnist.rendezvous._client",
-    "EtcdV3Error": "elastic_mnist.rendezvous._client",
+    "EtcdV3Client": "elastic_mnist.etcd.client",
+    "EtcdConnectionSpec": "elastic_mnist.etcd.client",
+    "EtcdV3Error": "elastic_mnist.etcd.client",
     "read_rendezvous_status": "elastic_mnist.rendezvous.status",
 }
 __all__ = ["handler_factory", "create_rdzv_handler", *_EXPORTS]

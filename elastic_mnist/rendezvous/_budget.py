@@ -28,7 +28,7 @@ from collections.abc import Callable
 from elastic_mnist import agent_link
 from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.rendezvous.conf import BACKEND_NAME
+from elastic_mnist.contract.rdzv_conf import BACKEND_NAME
 
 
 class RestartBudget:

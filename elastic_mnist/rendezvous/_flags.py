@@ -10,7 +10,7 @@ incompatible). Before its agent joins, each node compares its own, resolved from
 the job's: the first node's, written once under FINGERPRINT_KEY in the job's store (an atomic compare-and-set:
 of nodes that start together, exactly one defines it). Nothing has joined yet, so the refused node changes no
 round and closes nothing; it ends alone (a configuration error of its own command). A rendezvous id keeps its
-configuration while its keys live: the key carries the lease of its last writer (_lease.py), and every agent of
+configuration while its keys live: the key carries the lease of its last writer (etcd/lease.py), and every agent of
 the job writes it again at each of its rendezvous (keep_the_job_flags), so it lives while the job does and
 expires with it. Another configuration is another job, with a new --rdzv-id.
 """

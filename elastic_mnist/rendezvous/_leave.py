@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from elastic_mnist.compat import private as compat
 from elastic_mnist.compat.private import Action, DynamicRendezvousHandler, RendezvousContext, RendezvousExitOp
-from elastic_mnist.rendezvous._client import EtcdV3Client
+from elastic_mnist.etcd.client import EtcdV3Client
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 
 LEAVE_TIMEOUT_S = 5.0

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic_mnist.rendezvous._client import EtcdV3Client
-from elastic_mnist.rendezvous._lease import LeaseKeeper
+from elastic_mnist.etcd.client import EtcdV3Client
+from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.rendezvous._replay import StateReplayError
 from elastic_mnist.rendezvous._state import Lineage, open_lineage, seal_state
 

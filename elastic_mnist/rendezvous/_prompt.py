@@ -37,7 +37,7 @@ from elastic_mnist.compat.private import (
     RendezvousExitOp,
     RendezvousJoinOp,
 )
-from elastic_mnist.rendezvous._client import EtcdV3Error
+from elastic_mnist.etcd.client import EtcdV3Error
 from elastic_mnist.rendezvous._clock import LONG_AGO, HeartbeatClock
 from elastic_mnist.rendezvous._liveness import RECHECK_S, PeerLiveness
 from elastic_mnist.rendezvous._partition import losing_side

@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_rendezvous_etcd_v3.py -q -k rejected   # every bad value: one line naming it
 
-The keys themselves (names, defaults, who reads them) are conf.py's SCHEMA; this turns one job's values
+The keys themselves (names, defaults, who reads them) are contract/rdzv_conf.py's SCHEMA; this turns one job's values
 into `EtcdV3Settings`, with one error line naming the key for each bad one.
 """
 
@@ -13,9 +13,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error, run_key
-from elastic_mnist.rendezvous._secrets import connection_spec, secret
-from elastic_mnist.rendezvous.conf import (
+from elastic_mnist.contract.rdzv_conf import (
     DEFAULT_CRASH_LIMIT,
     DEFAULT_CRASH_WINDOW_S,
     DEFAULT_KEY_PREFIX,
@@ -25,6 +23,8 @@ from elastic_mnist.rendezvous.conf import (
     check_keys,
     check_values,
 )
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Error, run_key
+from elastic_mnist.etcd.secrets import connection_spec, secret
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from elastic_mnist.rendezvous._client import EtcdV3Error
+from elastic_mnist.etcd.client import EtcdV3Error
 
 _DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 MAGIC = b"EMRDZV1\0"  # a pickle (protocol >= 2) starts with 0x80, so sealed and bare states never collide

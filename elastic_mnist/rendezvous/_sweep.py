@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from elastic_mnist.compat.private import DynamicRendezvousHandler, round_store_prefix
-from elastic_mnist.rendezvous._client import EtcdV3Error
+from elastic_mnist.etcd.client import EtcdV3Error
 from elastic_mnist.rendezvous._prompt import RoundView
 from elastic_mnist.rendezvous.store import EtcdV3Store
 

@@ -24,10 +24,10 @@ from torch.distributed import Store
 from elastic_mnist import agent_link
 from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY
+from elastic_mnist.contract.rdzv_conf import BACKEND_NAME
+from elastic_mnist.etcd.client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._prompt import RoundView
-from elastic_mnist.rendezvous.conf import BACKEND_NAME
 
 ALONE = "this node ends, the job goes on without it"  # after the line of a problem of this node only
 

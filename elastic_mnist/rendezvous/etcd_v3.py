@@ -14,7 +14,7 @@ at once with one line: 0 if the job finished, 78 if a node gave up (_closed.py).
 
 Bounds: every etcd call has a deadline of read_timeout (10 s by default), and the handler probes etcd
 when torchrun creates it, so an unreachable etcd is ONE error naming the endpoint within 10 s. Once etcd
-answered, an outage is ridden out for up to outage_timeout (_client.py), unless a peer's beacon says it
+answered, an outage is ridden out for up to outage_timeout (etcd/client.py), unless a peer's beacon says it
 still reaches etcd (then this host is cut off and leaves as before); heartbeats are aged on each
 observer's own clock and nobody is judged for the outage (_clock.py).
 
@@ -24,10 +24,10 @@ every live node completes without the last call; nobody sleeps a blind second be
 (_liveness.py, `peer_probe`); an agent that exits while the job goes on (SIGTERM) takes itself out of
 the state (_leave.py). Only a frozen node, or one whose host vanished, costs the heartbeat window.
 
---rdzv-conf keys (conf.py's SCHEMA, shared with preflight and status; anything else is rejected, naming the key):
+--rdzv-conf keys (contract/rdzv_conf.py's SCHEMA, shared with preflight and status; any other is refused by name):
   join_timeout=600 last_call_timeout=1 close_timeout=30 heartbeat_timeout=5    torch's handler, seconds
-  keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; tuned: torchrun_settings.RDZV_CONF
-  read_timeout=10 (each etcd call's deadline, s)  key_prefix=/torchelastic/v3  lease_ttl=7200 (0: never; _lease.py)
+  keep_alive_interval=1 keep_alive_max_attempt=3      torch's handler; tuned: contract/torchrun.py's RDZV_CONF
+  read_timeout=10 (each etcd call's deadline, s)  key_prefix=/torchelastic/v3  lease_ttl=7200 (0: never; etcd/lease.py)
   outage_timeout=360   how long a running agent waits for an etcd that answered it before (s)
   peer_probe=1         drop a killed node when its agent's port refuses connections (0: off; _liveness.py)
   warm_start=1         workers start as forks of a warm process that imported torch once (0: cold; warm/)
@@ -64,13 +64,20 @@ from elastic_mnist import agent_link, job_secret
 from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import AGENT_PID_ENV
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.contract.rdzv_conf import (
+    BACKEND_NAME,
+    DEFAULT_KEY_PREFIX,
+    SCHEMA,
+    VALID_KEYS,
+    EtcdV3ConfigError,
+)
 from elastic_mnist.contract.torchrun import RDZV_CONF
+from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.rendezvous._budget import count_only_own_failures
-from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._early import before_joining
 from elastic_mnist.rendezvous._flags import keep_the_job_flags
-from elastic_mnist.rendezvous._lease import LeaseKeeper
 from elastic_mnist.rendezvous._leave import leave, leave_at_exit
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
@@ -80,16 +87,9 @@ from elastic_mnist.rendezvous._shrink import restart_when_the_round_shrinks
 from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, decode_state, seal_state, unseal_state
 from elastic_mnist.rendezvous._sweep import sweep_finished_rounds
 from elastic_mnist.rendezvous._verdict import end_the_job_on_config_errors
-from elastic_mnist.rendezvous.conf import (
-    BACKEND_NAME,
-    DEFAULT_KEY_PREFIX,
-    SCHEMA,
-    VALID_KEYS,
-    EtcdV3ConfigError,
-)
 from elastic_mnist.rendezvous.store import EtcdV3Store
 
-# The --rdzv-conf schema (keys, defaults, secrets) is conf.py's; re-exported for existing importers.
+# The --rdzv-conf schema (keys, defaults, secrets) is contract/rdzv_conf.py's; re-exported for existing importers.
 __all__ = ["SCHEMA", "VALID_KEYS", "EtcdV3ConfigError", "EtcdV3ConnectionError", "EtcdV3RendezvousBackend",
            "EtcdV3Settings", "EtcdV3StateError", "create_backend", "create_rdzv_handler", "parse_settings",
            "with_tuned_defaults"]

@@ -16,8 +16,9 @@ import json
 from datetime import datetime
 from typing import Any
 
-from elastic_mnist.rendezvous._client import CONFIG_ERROR_KEY, EtcdV3Client, EtcdV3Error, run_key
-from elastic_mnist.rendezvous._secrets import connection_spec, secret
+from elastic_mnist.contract.rdzv_conf import SCHEMA, check_keys, check_values
+from elastic_mnist.etcd.client import CONFIG_ERROR_KEY, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.etcd.secrets import connection_spec, secret
 from elastic_mnist.rendezvous._state import (
     NodeDesc,
     RendezvousState,
@@ -27,7 +28,6 @@ from elastic_mnist.rendezvous._state import (
     open_lineage,
     unseal,
 )
-from elastic_mnist.rendezvous.conf import SCHEMA, check_keys, check_values
 
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
 __all__ = ["SCHEMA", "NodeDesc", "RendezvousState", "decode_state", "read_rendezvous_status"]

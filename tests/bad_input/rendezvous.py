@@ -69,8 +69,8 @@ def _beacon_replay(target: Path, ctx: Ctx) -> Outcome:
     """A, B, C publish beacons; A reports B unreachable, the cut heals, and A's old report is written back."""
     from etcd_fixtures import raw_client
 
-    from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, run_key
-    from elastic_mnist.rendezvous._lease import LeaseKeeper
+    from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, run_key
+    from elastic_mnist.etcd.lease import LeaseKeeper
     from elastic_mnist.rendezvous._liveness import PeerLiveness
     from elastic_mnist.rendezvous._partition import losing_side
 

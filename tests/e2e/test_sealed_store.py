@@ -12,7 +12,7 @@ from etcd_fixtures import raw_client
 
 from elastic_mnist import procs
 from elastic_mnist.contract import torchrun as torchrun_settings
-from elastic_mnist.rendezvous._client import run_key
+from elastic_mnist.etcd.client import run_key
 
 
 def test_a_planted_master_addr_is_ignored_and_the_job_trains_on(small_mnist, tmp_path, etcd_server_v3only):

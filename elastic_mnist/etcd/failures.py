@@ -2,7 +2,7 @@
 
     python -m pytest tests/test_rendezvous_etcd_v3.py -q -k "unreachable or tls or auth"
 
-Apart from _client.py (the connection and its retries) so that each stays small; no other module words them.
+Apart from client.py (the connection and its retries) so that each stays small; no other module words them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import grpc
 
 from elastic_mnist.contract.env import PASSWORD_FILE_ENV, USER_ENV
 
-# Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (_secrets.py).
+# Fallbacks for --rdzv-conf user/password_file/secret_file, so secrets stay off command lines (secrets.py).
 
 
 class EtcdConnectionSpec(Protocol):

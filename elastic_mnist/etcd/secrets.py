@@ -19,9 +19,9 @@ from typing import Any
 from elastic_mnist import job_secret
 from elastic_mnist.contract.env import PASSWORD_FILE_ENV, SECRET_FILE_ENV, USER_ENV
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.contract.rdzv_conf import EtcdV3ConfigError, value_of
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Error
 from elastic_mnist.files import RefusedFile, read_regular
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Error
-from elastic_mnist.rendezvous.conf import EtcdV3ConfigError, value_of
 
 _warned_password = False
 MAX_PASSWORD_BYTES = 4096  # etcd hashes passwords with bcrypt, which reads 72 bytes: 4 KiB holds any of them

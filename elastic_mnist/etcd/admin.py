@@ -25,7 +25,7 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
 from elastic_mnist.contract.errors import UserError
-from elastic_mnist.rendezvous._client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, rpc_status
+from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, rpc_status
 
 JOB_USER = "elastic-mnist"
 JOB_ROLE = "elastic-mnist-rendezvous"

@@ -2,7 +2,7 @@
 `elastic-mnist preflight` and `elastic-mnist status` all read --rdzv-conf through it, so a key that
 torchrun accepts is accepted by all three, and an unknown one is refused by all three in the same words.
 
-    python -c "from elastic_mnist.rendezvous.conf import parse_conf; print(parse_conf('user=u,password_file=/p'))"
+    python -c "from elastic_mnist.contract.rdzv_conf import parse_conf; print(parse_conf('user=u,password_file=/p'))"
 
 No torch or grpc import here (preflight and status stay fast); the etcd client is imported on first use.
 """

@@ -26,9 +26,9 @@ from etcd3 import etcdrpc
 
 from elastic_mnist.contract.env import PASSWORD_FILE_ENV, USER_ENV
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.contract.rdzv_conf import DEFAULT_KEY_PREFIX, DEFAULT_READ_TIMEOUT_S
+from elastic_mnist.etcd.failures import failure_message, rpc_status
 from elastic_mnist.files import RefusedFile, read_regular
-from elastic_mnist.rendezvous._failures import failure_message, rpc_status
-from elastic_mnist.rendezvous.conf import DEFAULT_KEY_PREFIX, DEFAULT_READ_TIMEOUT_S
 
 T = TypeVar("T")
 DEFAULT_PORT = 2379

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import etcd3
 
-from elastic_mnist.rendezvous._client import EtcdV3Client, EtcdV3Error
+from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error
 
 T = TypeVar("T")
 
