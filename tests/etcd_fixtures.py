@@ -37,8 +37,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, run_key
+from elastic_mnist.etcd.rdzv_status import RendezvousState, decode_state
 from elastic_mnist.etcd.server import EtcdServer
-from elastic_mnist.rendezvous.status import RendezvousState, decode_state
 
 if TYPE_CHECKING:
     from cryptography import x509

@@ -35,9 +35,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 import elastic_mnist.rendezvous as rdzv
+from elastic_mnist.etcd.rdzv_status import decode_state
 from elastic_mnist.etcd.server import EtcdServer, free_port
 from elastic_mnist.rendezvous import EtcdV3ConfigError, create_backend, read_rendezvous_status
-from elastic_mnist.rendezvous.status import decode_state
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -29,13 +29,13 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_mnist import procs
 from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client
 from elastic_mnist.etcd.lease import LeaseKeeper
+from elastic_mnist.etcd.rdzv_state import open_lineage
 from elastic_mnist.etcd.server import EtcdServer, free_port
 from elastic_mnist.netprobe import probe
 from elastic_mnist.rendezvous import EtcdV3ConfigError
 from elastic_mnist.rendezvous._liveness import Beacon, PeerLiveness
 from elastic_mnist.rendezvous._ordered import put as put_ordered
 from elastic_mnist.rendezvous._prompt import LONG_AGO, RoundView
-from elastic_mnist.rendezvous._state import open_lineage
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "/torchelastic/v3"  # the default key_prefix

@@ -20,11 +20,11 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_mnist.compat import private as compat
 from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, run_key
 from elastic_mnist.etcd.lease import LeaseKeeper
+from elastic_mnist.etcd.rdzv_state import seal, verified
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.rendezvous import create_backend
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._partition import losing_side
-from elastic_mnist.rendezvous._state import seal, verified
 
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 60}
 

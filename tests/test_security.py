@@ -25,10 +25,10 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.etcd.client import EtcdConnectionSpec, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.etcd.rdzv_state import StateIntegrityError, is_sealed, seal, unseal
 from elastic_mnist.etcd.server import EtcdServer
 from elastic_mnist.procs import child_env, wait_for
 from elastic_mnist.rendezvous import create_backend, read_rendezvous_status
-from elastic_mnist.rendezvous._state import StateIntegrityError, is_sealed, seal, unseal
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "last_call_timeout": 1, "join_timeout": 120}

@@ -19,7 +19,7 @@ import torch
 from conftest import REPO, worker_env
 
 from elastic_mnist.compat import private as compat
-from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, NodeDesc
+from elastic_mnist.etcd.rdzv_state import ALLOWED_CLASSES, NodeDesc
 
 PACKAGE = REPO / "elastic_mnist"
 # Private attributes of torch objects we reach (the handler, its executor and state holder): on anything
@@ -136,7 +136,7 @@ def test_the_rule_allows_our_own_private_names():
         import torch
         from elastic_mnist.compat import private as compat
         from elastic_mnist.compat.private import Action
-        from elastic_mnist.rendezvous._state import ALLOWED_CLASSES
+        from elastic_mnist.etcd.rdzv_state import ALLOWED_CLASSES
         print(torch.__version__, compat.handler_node(handler), self._state_holder.sync(), self._state)
         super()._remove_from_participants()
         self._dead = {}

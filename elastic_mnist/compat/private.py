@@ -9,7 +9,7 @@ C++ Store trampoline dispatches to (rendezvous/store.py), the default store and 
 reached here and nowhere else (tests/test_torch_compat.py enforces it), and checked at import: a torch whose
 internals moved fails with ONE line naming its version and the mismatch, not with a rendezvous that
 silently misbehaves (the checks: compat/checks.py). The pickled state classes are checked against the
-torch-free stand-ins of rendezvous/_state.py by `check_pickled_classes`, which etcd_v3.py runs on import.
+torch-free stand-ins of etcd/rdzv_state.py by `check_pickled_classes`, which etcd_v3.py runs on import.
 
 The checks are cheap (hasattr, annotations, signatures, names in code objects, one in-memory PrefixStore):
 workers import this module and must start fast; it imports nothing they did not (no torch._dynamo, no etcd).
@@ -137,7 +137,7 @@ def _check_rendezvous() -> None:
 
 def check_pickled_classes(allowed: dict[tuple[str, str], type]) -> None:
     """Each torch class the state unpickler admits (by module path and name) is where the pickle names it,
-    with every field of our stand-in: a state torch writes is one that _state.py decodes."""
+    with every field of our stand-in: a state torch writes is one that etcd/rdzv_state.py decodes."""
     for (module, name), stand_in in allowed.items():
         if not module.startswith("torch"):
             continue

@@ -228,7 +228,7 @@ class Launcher:
         (`elastic-mnist status` shows it too). With --hosts etcd is on a host of its own, out of reach here."""
         if self.args.rdzv_backend != "etcd-v3" or self.hosts or not self._ended_on_config_error():
             return None
-        from elastic_mnist.rendezvous.status import read_rendezvous_status
+        from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 
         conf = dict(self.args.rdzv_conf_items)
         try:

@@ -110,7 +110,7 @@ def closed_line(launch: Launch) -> str | None:
     if not launch.run_id:
         return None
     try:
-        from elastic_mnist.rendezvous.status import read_rendezvous_status
+        from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 
         status = read_rendezvous_status(launch.endpoint, launch.run_id, launch.backend, launch.key_prefix,
                                         **{"read_timeout": 3.0, **launch.conn})

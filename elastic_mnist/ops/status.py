@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def collect(args) -> dict:
-    from elastic_mnist.rendezvous import read_rendezvous_status
+    from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 
     conn = parse_conf(args.rdzv_conf)
     key_prefix = conn.pop("key_prefix", None)

@@ -24,14 +24,14 @@ _EXPORTS = {
     "EtcdV3ConfigError": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3ConnectionError": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3StateError": "elastic_mnist.rendezvous.etcd_v3",
-    "StateIntegrityError": "elastic_mnist.rendezvous._state",
+    "StateIntegrityError": "elastic_mnist.etcd.rdzv_state",
     "VALID_KEYS": "elastic_mnist.rendezvous.etcd_v3",
     "create_backend": "elastic_mnist.rendezvous.etcd_v3",
     "EtcdV3Store": "elastic_mnist.rendezvous.store",
     "EtcdV3Client": "elastic_mnist.etcd.client",
     "EtcdConnectionSpec": "elastic_mnist.etcd.client",
     "EtcdV3Error": "elastic_mnist.etcd.client",
-    "read_rendezvous_status": "elastic_mnist.rendezvous.status",
+    "read_rendezvous_status": "elastic_mnist.etcd.rdzv_status",
 }
 __all__ = ["handler_factory", "create_rdzv_handler", *_EXPORTS]
 

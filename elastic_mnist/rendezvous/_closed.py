@@ -25,7 +25,7 @@ from torch.distributed import Store
 from elastic_mnist.compat.private import exit_barrier_key, round_store_prefix
 from elastic_mnist.contract.exit_codes import OK, PERMANENT
 from elastic_mnist.etcd.client import CONFIG_ERROR_KEY
-from elastic_mnist.rendezvous._state import decode_state
+from elastic_mnist.etcd.rdzv_state import decode_state
 
 
 def closed_verdict(run_id: str, state_bits: bytes | None, store: Store) -> tuple[int, str] | None:

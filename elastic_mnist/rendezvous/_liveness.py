@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable
 from elastic_mnist.contract.env import PEER_BEACONS_ENV
 from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.etcd.lease import LeaseKeeper
+from elastic_mnist.etcd.rdzv_state import StateIntegrityError
 from elastic_mnist.netprobe import PROBE_TIMEOUT_S, probe, split_address
 from elastic_mnist.rendezvous import _ordered
 from elastic_mnist.rendezvous._partition import CONFIRM_S, decode, encode
-from elastic_mnist.rendezvous._state import StateIntegrityError
 
 RECHECK_S = 0.5  # a peer that answered is asked again after this long, at the earliest
 

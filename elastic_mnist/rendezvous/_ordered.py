@@ -22,8 +22,8 @@ from typing import Any
 
 from elastic_mnist.etcd.client import EtcdV3Client
 from elastic_mnist.etcd.lease import LeaseKeeper
+from elastic_mnist.etcd.rdzv_state import Lineage, open_lineage, seal_state
 from elastic_mnist.rendezvous._replay import StateReplayError
-from elastic_mnist.rendezvous._state import Lineage, open_lineage, seal_state
 
 _KEEP = 4096  # keys whose floor a reader remembers (a round writes a handful of store keys)
 

@@ -2,7 +2,7 @@
 
     torchrun --rdzv-backend=etcd-v3 --rdzv-conf secret_file=/etc/elastic-mnist/etcd/rdzv-secret ...
 
-The HMAC (_state.py) proves a node of this job wrote a state, not that it is the state written last:
+The HMAC (etcd/rdzv_state.py) proves a node of this job wrote a state, not that it is the state written last:
 whoever can write etcd could save one and put it back after the job moved on. So each sealed state
 carries its `Lineage`, predicted by its writer from what torch's compare-and-set guarantees: the write
 lands only if the key still has the mod revision the writer read (the fencing token), so the new value
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic_mnist.rendezvous._state import Lineage, StateIntegrityError
+from elastic_mnist.etcd.rdzv_state import Lineage, StateIntegrityError
 
 _KEEP = 8  # tokens whose metadata we remember: torch writes with the token it read last
 

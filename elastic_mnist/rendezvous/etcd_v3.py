@@ -34,10 +34,10 @@ the state (_leave.py). Only a frozen node, or one whose host vanished, costs the
   crash_limit=10 crash_window=3600   this node's own worker failures it survives within the window (_budget.py)
   protocol=http|https  cacert=PATH  cert=PATH  key=PATH
   user=NAME  password_file=PATH  etcd credentials (else $ELASTIC_MNIST_ETCD_USER, $..._PASSWORD_FILE); password=
-  secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see _state.py
+  secret_file=PATH     HMAC key every node shares (else $ELASTIC_MNIST_RDZV_SECRET_FILE): see etcd/rdzv_state.py
   timeout              added by torchrun itself (--rdzv-timeout); ignored, as torch's dynamic backends do
 
-State read from etcd is checked before torch unpickles it (_state.py): a restricted unpickler always; with
+State read from etcd is checked before torch unpickles it (etcd/rdzv_state.py): a restricted unpickler always; with
 secret_file an HMAC, and that it is not an older state written back (_replay.py); a refused state is ONE
 error. secret_file seals the Store's values too (store.py).
 """
@@ -74,6 +74,7 @@ from elastic_mnist.contract.rdzv_conf import (
 from elastic_mnist.contract.torchrun import RDZV_CONF
 from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.etcd.lease import LeaseKeeper
+from elastic_mnist.etcd.rdzv_state import ALLOWED_CLASSES, StateIntegrityError, decode_state, seal_state, unseal_state
 from elastic_mnist.rendezvous._budget import count_only_own_failures
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._early import before_joining
@@ -84,7 +85,6 @@ from elastic_mnist.rendezvous._prompt import RoundView, make_prompt
 from elastic_mnist.rendezvous._replay import ReplayGuard
 from elastic_mnist.rendezvous._settings import EtcdV3Settings, parse_settings
 from elastic_mnist.rendezvous._shrink import restart_when_the_round_shrinks
-from elastic_mnist.rendezvous._state import ALLOWED_CLASSES, StateIntegrityError, decode_state, seal_state, unseal_state
 from elastic_mnist.rendezvous._sweep import sweep_finished_rounds
 from elastic_mnist.rendezvous._verdict import end_the_job_on_config_errors
 from elastic_mnist.rendezvous.store import EtcdV3Store

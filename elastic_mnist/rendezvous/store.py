@@ -36,9 +36,9 @@ from torch.distributed import DistStoreError, Store
 from elastic_mnist.compat.private import with_cpp_store_names
 from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error
 from elastic_mnist.etcd.lease import LeaseKeeper
+from elastic_mnist.etcd.rdzv_state import StateIntegrityError
 from elastic_mnist.rendezvous import _ordered
 from elastic_mnist.rendezvous._replay import StateReplayError
-from elastic_mnist.rendezvous._state import StateIntegrityError
 
 WATCH_RECHECK_S = 2.0
 

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from elastic_mnist import files
 
 TRAIN_MODULE = "elastic_mnist.train"
-PRELOAD = {TRAIN_MODULE: ("elastic_mnist.worker.train",)}  # what its warm process imports for it
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class WorkerPlan:
         env = {**environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size)}
         return {"exe": sys.executable, "version": sys.version, "argv": [argv0, *self.args],
                 "path": [path0, *sys.path[1:]], "cwd": self.cwd, "env": env, "target": self.target,
-                "preload": list(PRELOAD.get(module or "") or declared_preload(argv0)), "started": time.time(),
+                "preload": list(declared_preload(argv0)), "started": time.time(),
                 "unbuffered": True,
                 "settings": {}}
 

@@ -154,7 +154,7 @@ def _state_pickle(target: Path, ctx: Ctx) -> Outcome:
 def _other_secret(target: Path, ctx: Ctx) -> Outcome:
     from etcd_fixtures import state_bits
 
-    from elastic_mnist.rendezvous._state import StateIntegrityError
+    from elastic_mnist.etcd.rdzv_state import StateIntegrityError
 
     _backend(ctx, target, "table-secrets")[0].set_state(state_bits(0))
     return raises(StateIntegrityError, lambda: _backend(ctx, target, "table-secrets", b"t" * 32))  # another job's

@@ -19,8 +19,8 @@ from e2e.job import Job
 from elastic_mnist import procs
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract import torchrun as torchrun_settings
+from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 from elastic_mnist.ops.status import render
-from elastic_mnist.rendezvous.status import read_rendezvous_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -27,9 +27,9 @@ from k8s_manifests import container, find, pod_spec
 
 from e2e.k8s_local import Cluster, LocalPod, etcd_for, render, run_together
 from elastic_mnist import procs
+from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 from elastic_mnist.etcd.server import EtcdServer, free_port
 from elastic_mnist.ops.preflight import NODE_LOCAL, PERMANENT
-from elastic_mnist.rendezvous.status import read_rendezvous_status
 from elastic_mnist.state.format import list_checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

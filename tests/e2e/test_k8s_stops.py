@@ -23,7 +23,7 @@ from k8s_manifests import container, pod_spec
 from e2e.k8s_local import Cluster, LocalPod, etcd_for, render
 from elastic_mnist import procs
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.rendezvous.status import read_rendezvous_status
+from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 from elastic_mnist.state.format import list_checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -14,7 +14,7 @@ from etcd_fixtures import rdzv_params
 from e2e.job import Job
 from elastic_mnist import procs
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.rendezvous._state import decode_state
+from elastic_mnist.etcd.rdzv_state import decode_state
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

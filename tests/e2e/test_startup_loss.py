@@ -20,7 +20,7 @@ import pytest
 
 from e2e.job import Job
 from elastic_mnist import procs
-from elastic_mnist.rendezvous.status import read_rendezvous_status
+from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
 from elastic_mnist.runlog import read_records
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

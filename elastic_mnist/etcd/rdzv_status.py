@@ -18,8 +18,7 @@ from typing import Any
 
 from elastic_mnist.contract.rdzv_conf import SCHEMA, check_keys, check_values
 from elastic_mnist.etcd.client import CONFIG_ERROR_KEY, EtcdV3Client, EtcdV3Error, run_key
-from elastic_mnist.etcd.secrets import connection_spec, secret
-from elastic_mnist.rendezvous._state import (
+from elastic_mnist.etcd.rdzv_state import (
     NodeDesc,
     RendezvousState,
     StateIntegrityError,
@@ -28,6 +27,7 @@ from elastic_mnist.rendezvous._state import (
     open_lineage,
     unseal,
 )
+from elastic_mnist.etcd.secrets import connection_spec, secret
 
 LEGACY_PREFIX = "/torchelastic/p2p"  # torch's etcd_rendezvous default etcd_prefix
 __all__ = ["SCHEMA", "NodeDesc", "RendezvousState", "decode_state", "read_rendezvous_status"]
