@@ -15,6 +15,7 @@ from etcd_fixtures import rdzv_params
 from elastic_mnist.config import parse_args
 from elastic_mnist.rendezvous import _flags as job_flags
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
+from elastic_mnist.rendezvous.policy import AgentPolicy
 from elastic_mnist.warm.plan import WorkerPlan
 
 
@@ -60,8 +61,9 @@ def test_every_rendezvous_of_the_job_writes_its_configuration_again(etcd_server_
     backend, store = create_backend(rdzv_params(etcd_server_v3only.endpoint, run_id="job-b"))
     try:
         mine, joined = parse_args([]).fingerprint(), []
-        handler = SimpleNamespace(next_rendezvous=lambda: joined.append(1) or "round")
-        job_flags.keep_the_job_flags(handler, store, mine)
+        handler = SimpleNamespace(next_rendezvous=lambda: joined.append(1) or "round", num_nodes_waiting=lambda: 0,
+                                  shutdown=lambda: True)
+        AgentPolicy(handler).add("flags", job_flags.keep_the_job_flags(store, mine)).install()
         assert job_flags.refusal(store, mine, "job-b") == ""
         store.delete_key(job_flags.FINGERPRINT_KEY)
         assert handler.next_rendezvous() == "round" and joined == [1]

@@ -192,6 +192,48 @@ def test_a_crossing_by_import_or_by_name_is_found(tmp_path):
                                       "elastic_mnist.etcd.client -> elastic_mnist.warm.plan"}
 
 
+def torch_attribute_assignments(package: Path = PACKAGE) -> list[str]:
+    """Every assignment to an attribute of torch's rendezvous handler (any name torch's handler class or
+    instance has) or of a torch module, outside rendezvous/policy.py and compat/ (`self.x = ...` of our own
+    subclasses aside)."""
+    from elastic_mnist.compat import private as compat
+
+    names = {n for n in dir(compat.DynamicRendezvousHandler) if not n.startswith("__")} | set(compat._HANDLER_ATTRS)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel == "rendezvous/policy.py" or rel.startswith("compat/"):
+            continue
+        tree = ast.parse(path.read_text())
+        torch_names = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                       for a in n.names if a.name.split(".")[0] == "torch"}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in (e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])):
+                if not isinstance(target, ast.Attribute) or getattr(target.value, "id", "") in ("self", "cls"):
+                    continue
+                root = target.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if target.attr in names or getattr(root, "id", "") in torch_names:
+                    found.append(f"{package.name}/{rel}:{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_torch_objects_are_reshaped_in_the_agent_policy_and_compat_only():
+    assert torch_attribute_assignments() == []
+
+
+def test_a_handler_reshaped_elsewhere_is_found(tmp_path):
+    (tmp_path / "elastic_mnist" / "rendezvous").mkdir(parents=True)
+    (tmp_path / "elastic_mnist" / "rendezvous" / "_x.py").write_text(
+        "import torch.distributed as dist\ndef f(handler, w):\n    handler.next_rendezvous = w.next_rendezvous\n"
+        "    dist.barrier = None\n    self.next_rendezvous = w\n")
+    assert torch_attribute_assignments(tmp_path / "elastic_mnist") == [
+        "elastic_mnist/rendezvous/_x.py:3: handler.next_rendezvous", "elastic_mnist/rendezvous/_x.py:4: dist.barrier"]
+
+
 def env_names_spelled(package: Path = PACKAGE) -> list[str]:
     """Every string outside contract/ that is, or begins with, one of our environment variables' names (prose
     that mentions one, such as a message's `$ELASTIC_MNIST_DATA_DIR`, is for people and may)."""

@@ -21,7 +21,8 @@ from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.env import AGENT_DIR_ENV
 from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError, UserError
 from elastic_mnist.ops.nodecheck import NodeLocal
-from elastic_mnist.rendezvous._verdict import Verdict
+from elastic_mnist.rendezvous._verdict import end_the_job_on_config_errors
+from elastic_mnist.rendezvous.policy import AgentPolicy
 from elastic_mnist.state import sync
 from elastic_mnist.state.manager import check_checkpoint_dir
 
@@ -99,9 +100,10 @@ def test_the_agent_ends_its_node_alone_without_closing_the_rendezvous(tmp_path, 
     agent_link.report_node_local("checkpoint dir /c is not writable on this node", {AGENT_DIR_ENV:
                                                                                   str(tmp_path)})
     assert agent_link.config_error(str(tmp_path)) is None, "not the job's configuration error"
-    verdict = Verdict(handler, SimpleNamespace(closed=False), store, "job", str(tmp_path), lambda: None)
+    layer = end_the_job_on_config_errors(SimpleNamespace(closed=False), store, "job", str(tmp_path), lambda: None)
+    AgentPolicy(handler).add("verdict", layer).install()
     with pytest.raises(SystemExit) as ended:
-        verdict.next_rendezvous()
+        handler.next_rendezvous()
     assert ended.value.code == exit_codes.NODE_LOCAL
     handler.shutdown()  # what torch's launcher calls as the agent ends: it would close the rendezvous
     assert calls == [], "no store key, no closing, no join"

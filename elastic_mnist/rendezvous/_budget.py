@@ -26,19 +26,19 @@ from collections import deque
 from collections.abc import Callable
 
 from elastic_mnist import agent_link
-from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.rdzv_conf import BACKEND_NAME
+from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods
 
 
 class RestartBudget:
     """Wraps the three methods torch's agent and launcher call on the handler."""
 
-    def __init__(self, handler: DynamicRendezvousHandler, agent_dir: str, limit: int, window_s: float,
+    def __init__(self, inner: Methods, agent_dir: str, limit: int, window_s: float,
                  leave: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
         self._dir, self._limit, self._window_s, self._leave, self._clock = agent_dir, limit, window_s, leave, clock
-        self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
-        self._shutdown = handler.shutdown
+        self._next_rendezvous, self._num_nodes_waiting = inner.next_rendezvous, inner.num_nodes_waiting
+        self._shutdown = inner.shutdown
         self._joined = False  # a first rendezvous is no restart
         self._free = False  # the coming restart is a membership change (torch did not count it)
         self.crashes: deque[float] = deque()
@@ -86,11 +86,9 @@ class RestartBudget:
         return True
 
 
-def count_only_own_failures(handler: DynamicRendezvousHandler, agent_dir: str, limit: int, window_s: float,
-                            leave: Callable[[], None]) -> RestartBudget:
-    """Wrap the handler's methods (an instance's own attributes win over its class's)."""
-    budget = RestartBudget(handler, agent_dir, limit, window_s, leave)
-    handler.next_rendezvous = budget.next_rendezvous  # type: ignore[method-assign]
-    handler.num_nodes_waiting = budget.num_nodes_waiting  # type: ignore[method-assign]
-    handler.shutdown = budget.shutdown  # type: ignore[method-assign]
-    return budget
+def count_only_own_failures(agent_dir: str, limit: int, window_s: float, leave: Callable[[], None]) -> Layer:
+    """The policy's budget layer: all three methods."""
+    def layer(inner: Methods, policy: AgentPolicy) -> Methods:
+        budget = RestartBudget(inner, agent_dir, limit, window_s, leave)
+        return Methods(budget.next_rendezvous, budget.num_nodes_waiting, budget.shutdown)
+    return layer

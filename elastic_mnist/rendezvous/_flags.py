@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 from torch.distributed import Store
 
-from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.config import flag_name, parse_args
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods
 from elastic_mnist.warm.plan import TRAIN_MODULE, WorkerPlan
 
 FINGERPRINT_KEY = "elastic-mnist/fingerprint"
@@ -70,17 +71,20 @@ def refusal(store: Store, mine: dict, run_id: str) -> str:
             "(the job goes on without this node)")
 
 
-def keep_the_job_flags(handler: DynamicRendezvousHandler, store: Store, mine: dict) -> None:
-    """Before each rendezvous of this agent (its fingerprint is the job's), write the job's key again: a put
-    attaches the key to this live agent's lease, so the key outlives the node that first wrote it."""
-    ours, join = json.dumps(mine, sort_keys=True), handler.next_rendezvous
+def keep_the_job_flags(store: Store, mine: dict) -> Layer:
+    """The policy's flags layer: before each rendezvous of this agent (its fingerprint is the job's), write the
+    job's key again: a put attaches the key to this live agent's lease, so the key outlives the node that first
+    wrote it."""
+    ours = json.dumps(mine, sort_keys=True)
 
-    def next_rendezvous():
-        try:
-            if store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace") == ours:
-                store.compare_set(FINGERPRINT_KEY, ours, ours)
-        except Exception as exc:  # noqa: BLE001 - keeping the key is best effort; the rendezvous says what is wrong
-            log.info("could not write the job's configuration again (%s)", exc)
-        return join()
+    def layer(inner: Methods, policy: AgentPolicy) -> Methods:
+        def next_rendezvous():
+            try:
+                if store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace") == ours:
+                    store.compare_set(FINGERPRINT_KEY, ours, ours)
+            except Exception as exc:  # noqa: BLE001 - keeping the key is best effort; the rendezvous says what is wrong
+                log.info("could not write the job's configuration again (%s)", exc)
+            return inner.next_rendezvous()
 
-    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+        return replace(inner, next_rendezvous=next_rendezvous)
+    return layer

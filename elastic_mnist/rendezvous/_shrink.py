@@ -22,14 +22,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 from torch.distributed import DistStoreError, Store
 
 from elastic_mnist.compat import private as compat
-from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.rendezvous._liveness import PeerLiveness
 from elastic_mnist.rendezvous._prompt import RoundView
+from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods
 
 # (round, complete and open, members) of the state as last read from etcd
 Members = Callable[[], "tuple[int, bool, frozenset[str]] | None"]
@@ -42,11 +43,11 @@ class ShrinkWatch:
     whose heartbeat is a moment past the window (a loaded host), and writes that back: a member whose
     agent still answers its beacon is such a one, and its workers train on with ours, as before."""
 
-    def __init__(self, handler: DynamicRendezvousHandler, members: Members, liveness: PeerLiveness | None,
+    def __init__(self, inner: Methods, members: Members, liveness: PeerLiveness | None,
                  store: Store, address_wait: timedelta = ADDRESS_WAIT_MIN) -> None:
         self._members, self._liveness, self._store, self._address_wait = members, liveness, store, address_wait
         self._formed: tuple[int, frozenset[str]] | None = None  # this node's last completed round
-        self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
+        self._next_rendezvous, self._num_nodes_waiting = inner.next_rendezvous, inner.num_nodes_waiting
 
     def next_rendezvous(self):
         for attempt in range(1, ADDRESS_ATTEMPTS + 1):
@@ -98,8 +99,9 @@ class ShrinkWatch:
         return 1
 
 
-def restart_when_the_round_shrinks(handler: DynamicRendezvousHandler, view: RoundView, store: Store) -> None:
-    """Wrap the handler's two methods torch's agent calls (an instance's own attributes win)."""
-    watch = ShrinkWatch(handler, lambda: view.read, view.liveness, store, max(2 * view.window, ADDRESS_WAIT_MIN))
-    handler.next_rendezvous = watch.next_rendezvous  # type: ignore[method-assign]
-    handler.num_nodes_waiting = watch.num_nodes_waiting  # type: ignore[method-assign]
+def restart_when_the_round_shrinks(view: RoundView, store: Store) -> Layer:
+    """The policy's shrink layer: next_rendezvous and num_nodes_waiting."""
+    def layer(inner: Methods, policy: AgentPolicy) -> Methods:
+        watch = ShrinkWatch(inner, lambda: view.read, view.liveness, store, max(2 * view.window, ADDRESS_WAIT_MIN))
+        return replace(inner, next_rendezvous=watch.next_rendezvous, num_nodes_waiting=watch.num_nodes_waiting)
+    return layer

@@ -13,10 +13,12 @@ removes the beacon keys of nodes that left no heartbeat in the job's state for t
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
-from elastic_mnist.compat.private import DynamicRendezvousHandler, round_store_prefix
+from elastic_mnist.compat.private import round_store_prefix
 from elastic_mnist.etcd.client import EtcdV3Error
 from elastic_mnist.rendezvous._prompt import RoundView
+from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods
 from elastic_mnist.rendezvous.store import EtcdV3Store
 
 KEEP_ROUNDS = 2  # the current round and the one before it stay
@@ -27,20 +29,19 @@ def rounds_to_sweep(current: int) -> range:
     return range(max(0, current - KEEP_ROUNDS - WINDOW + 1), max(0, current - KEEP_ROUNDS + 1))
 
 
-def sweep_finished_rounds(handler: DynamicRendezvousHandler, view: RoundView, store: EtcdV3Store,
-                          run_id: str) -> None:
-    """Wrap the handler's next_rendezvous (an instance's own attribute wins)."""
-    inner = handler.next_rendezvous
+def sweep_finished_rounds(view: RoundView, store: EtcdV3Store, run_id: str) -> Layer:
+    """The policy's sweep layer: next_rendezvous."""
+    def layer(inner: Methods, policy: AgentPolicy) -> Methods:
+        def next_rendezvous():
+            info = inner.next_rendezvous()
+            read = view.read
+            if read is not None and info.rank == 0:
+                sweep(store, run_id, read[0])
+                sweep_beacons(view, read[0])
+            return info
 
-    def next_rendezvous():
-        info = inner()
-        read = view.read
-        if read is not None and info.rank == 0:
-            sweep(store, run_id, read[0])
-            sweep_beacons(view, read[0])
-        return info
-
-    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+        return replace(inner, next_rendezvous=next_rendezvous)
+    return layer
 
 
 def sweep(store: EtcdV3Store, run_id: str, current: int) -> None:

@@ -11,42 +11,42 @@ stops its workers as for a new round (they save), and ends too; so does any agen
 
 A problem of one node only (its own checkpoint dir: the worker exits 69, exit_codes.NODE_LOCAL) ends that node
 alone: its agent leaves the rendezvous and exits 69 with the worker's line, the rendezvous stays open and the
-other nodes form the next round without it (end_this_node).
+other nodes form the next round without it (policy.py's end_this_node).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from dataclasses import replace
 
 from torch.distributed import Store
 
 from elastic_mnist import agent_link
-from elastic_mnist.compat.private import DynamicRendezvousHandler
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.rdzv_conf import BACKEND_NAME
 from elastic_mnist.etcd.client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._prompt import RoundView
+from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods
 
 ALONE = "this node ends, the job goes on without it"  # after the line of a problem of this node only
 
 
 class Verdict:
-    def __init__(self, handler: DynamicRendezvousHandler, view: RoundView, store: Store, run_id: str,
+    def __init__(self, inner: Methods, policy: AgentPolicy, view: RoundView, store: Store, run_id: str,
                  agent_dir: str, read_state) -> None:
-        self._handler, self._view, self._store, self._run_id = handler, view, store, run_id
+        self._policy, self._view, self._store, self._run_id = policy, view, store, run_id
         self._dir, self._read_state = agent_dir, read_state
-        self._next_rendezvous, self._num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
+        self._next_rendezvous, self._num_nodes_waiting = inner.next_rendezvous, inner.num_nodes_waiting
 
     def next_rendezvous(self):
         alone = agent_link.node_local(self._dir) if self._dir else None
         if alone:
-            end_this_node(self._handler, alone, exit_codes.NODE_LOCAL)
+            self._policy.end_this_node(f"elastic-mnist {BACKEND_NAME}: error: {alone}", exit_codes.NODE_LOCAL, ALONE)
         line = agent_link.config_error(self._dir) if self._dir else None
         if line:
             self._store.set(CONFIG_ERROR_KEY, line)
-            self._handler.set_closed()
+            self._policy.close()
         if line or self._view.closed:
             exit_if_closed(self._run_id, self._read_state(), self._store, f"elastic-mnist {BACKEND_NAME}")
         return self._next_rendezvous()
@@ -60,18 +60,9 @@ class Verdict:
         return waiting
 
 
-def end_this_node(handler: DynamicRendezvousHandler, line: str, code: int) -> NoReturn:
-    """End this agent with `line` and `code`, the job going on: torch's launcher shuts the rendezvous down (closes
-    it, for every node) when its agent ends by anything but a signal, so this handler's shutdown is made a no-op
-    first. The node leaves the rendezvous at the process's exit (_leave.py), as a preempted one does."""
-    handler.shutdown = lambda: True  # type: ignore[method-assign]
-    print(f"elastic-mnist {BACKEND_NAME}: error: {line}; {ALONE}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
-
-
-def end_the_job_on_config_errors(handler: DynamicRendezvousHandler, view: RoundView, store: Store, run_id: str,
-                                 agent_dir: str, read_state) -> None:
-    """Wrap the two methods torch's agent calls (an instance's own attributes win)."""
-    verdict = Verdict(handler, view, store, run_id, agent_dir, read_state)
-    handler.next_rendezvous = verdict.next_rendezvous  # type: ignore[method-assign]
-    handler.num_nodes_waiting = verdict.num_nodes_waiting  # type: ignore[method-assign]
+def end_the_job_on_config_errors(view: RoundView, store: Store, run_id: str, agent_dir: str, read_state) -> Layer:
+    """The policy's verdict layer: next_rendezvous and num_nodes_waiting."""
+    def layer(inner: Methods, policy: AgentPolicy) -> Methods:
+        verdict = Verdict(inner, policy, view, store, run_id, agent_dir, read_state)
+        return replace(inner, next_rendezvous=verdict.next_rendezvous, num_nodes_waiting=verdict.num_nodes_waiting)
+    return layer

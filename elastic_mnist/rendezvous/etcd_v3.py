@@ -87,6 +87,7 @@ from elastic_mnist.rendezvous._settings import EtcdV3Settings, parse_settings
 from elastic_mnist.rendezvous._shrink import restart_when_the_round_shrinks
 from elastic_mnist.rendezvous._sweep import sweep_finished_rounds
 from elastic_mnist.rendezvous._verdict import end_the_job_on_config_errors
+from elastic_mnist.rendezvous.policy import AgentPolicy
 from elastic_mnist.rendezvous.store import EtcdV3Store
 
 # The --rdzv-conf schema (keys, defaults, secrets) is contract/rdzv_conf.py's; re-exported for existing importers.
@@ -278,14 +279,17 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     compat.quick_event_names()  # 0.8 s of a rendezvous's CPU on 2 cores: see compat/private.py
     handler = create_handler(store, backend, params)
     make_prompt(handler, backend)
+    policy = AgentPolicy(handler)  # the layers in policy.py's ORDER
     if backend.view is not None:  # always, as create_backend builds it
-        restart_when_the_round_shrinks(handler, backend.view, store)
-        sweep_finished_rounds(handler, backend.view, store, params.run_id)
-        end_the_job_on_config_errors(handler, backend.view, store, params.run_id, agent_dir, backend.get_state)
+        policy.add("shrink", restart_when_the_round_shrinks(backend.view, store))
+        policy.add("sweep", sweep_finished_rounds(backend.view, store, params.run_id))
+        policy.add("verdict", end_the_job_on_config_errors(backend.view, store, params.run_id, agent_dir,
+                                                           backend.get_state))
     if flags is not None:
-        keep_the_job_flags(handler, store, flags)
-    count_only_own_failures(handler, agent_dir, settings.crash_limit, settings.crash_window,
-                            lambda: leave(handler, backend.client, backend.liveness))
+        policy.add("flags", keep_the_job_flags(store, flags))
+    policy.add("budget", count_only_own_failures(agent_dir, settings.crash_limit, settings.crash_window,
+                                                 lambda: leave(handler, backend.client, backend.liveness)))
+    policy.install()
     if backend.liveness is not None:
         try:
             backend.liveness.publish(str(compat.handler_node(handler)))
