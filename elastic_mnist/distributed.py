@@ -23,6 +23,7 @@ import torch.distributed as dist
 from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import NODE_ENV, PEER_BEACONS_ENV
 from elastic_mnist.contract.errors import NodeLocalError
+from elastic_mnist.contract.keys import MUSTER_PREFIX
 from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard
 from elastic_mnist.netprobe import wait_for_listener
 
@@ -125,7 +126,6 @@ class StoppedBeforeForming(Exception):
     """A stop came while this round's workers mustered: nothing of the round was made."""
 
 
-MUSTER_PREFIX = "elastic_mnist/muster/"
 MUSTER_POLL_S = 0.005
 
 

@@ -234,6 +234,39 @@ def test_a_handler_reshaped_elsewhere_is_found(tmp_path):
         "elastic_mnist/rendezvous/_x.py:3: handler.next_rendezvous", "elastic_mnist/rendezvous/_x.py:4: dist.barrier"]
 
 
+def key_names_spelled(package: Path = PACKAGE) -> list[str]:
+    """Every string outside contract/ that spells one of contract/keys.py's distinctive key names, and every
+    run_key call whose leaf is a literal rather than one of its leaves."""
+    from elastic_mnist.contract import keys
+
+    names = [v for k, v in vars(keys).items() if k.endswith(("_KEY", "_PREFIX")) and isinstance(v, str) and "/" in v]
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if "contract" in path.relative_to(package).parts:
+            continue
+        tree = ast.parse(path.read_text())
+        prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        where = f"{path.relative_to(package.parent)}"
+        found += [f"{where}:{n.lineno}: {n.value!r}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                  and isinstance(n.value, str) and id(n) not in prose and any(name in n.value for name in names)]
+        found += [f"{where}:{n.lineno}: run_key(..., {n.args[2].value!r})" for n in ast.walk(tree)
+                  if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "run_key" and len(n.args) > 2
+                  and isinstance(n.args[2], ast.Constant)]
+    return found
+
+
+def test_our_etcd_and_store_keys_are_named_in_contract_only():
+    assert key_names_spelled() == []
+
+
+def test_a_key_spelled_outside_contract_is_found(tmp_path):
+    (tmp_path / "elastic_mnist").mkdir()
+    (tmp_path / "elastic_mnist" / "a.py").write_text(
+        'X = f"elastic-mnist/control/{t}/agree"\nk = run_key(None, "job", "state")\n')
+    assert key_names_spelled(tmp_path / "elastic_mnist") == [
+        "elastic_mnist/a.py:1: 'elastic-mnist/control/'", "elastic_mnist/a.py:2: run_key(..., 'state')"]
+
+
 def env_names_spelled(package: Path = PACKAGE) -> list[str]:
     """Every string outside contract/ that is, or begins with, one of our environment variables' names (prose
     that mentions one, such as a message's `$ELASTIC_MNIST_DATA_DIR`, is for people and may)."""

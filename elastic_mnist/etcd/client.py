@@ -116,13 +116,8 @@ def split_endpoint(endpoint: str | None) -> tuple[str | None, str, int]:
     return (scheme if sep else None), host, int(port_text or DEFAULT_PORT)
 
 
-# Under the job's store (run_key(..., "store")): set before a node closes the rendezvous for a worker's
-# configuration error (_verdict.py), the line every agent of the job, `status` and `local` end with.
-CONFIG_ERROR_KEY = "elastic-mnist/config-error"
-
-
 def run_key(key_prefix: str | None, run_id: str, leaf: str) -> str:
-    """Key layout: `{prefix}/{run_id}/state` and `{prefix}/{run_id}/store/...`; run ids never share keys."""
+    """`{prefix}/{run_id}/{leaf}`, a leaf of contract/keys.py; run ids never share keys."""
     if not run_id or "/" in run_id:  # "a/store" would alias run "a"'s store keys
         raise EtcdV3Error(f"rendezvous id {run_id!r} must be non-empty and contain no '/'")
     prefix = (key_prefix or DEFAULT_KEY_PREFIX).strip("/")

@@ -16,8 +16,9 @@ import json
 from datetime import datetime
 from typing import Any
 
+from elastic_mnist.contract.keys import CONFIG_ERROR_KEY, STATE_LEAF, STORE_LEAF
 from elastic_mnist.contract.rdzv_conf import SCHEMA, check_keys, check_values
-from elastic_mnist.etcd.client import CONFIG_ERROR_KEY, EtcdV3Client, EtcdV3Error, run_key
+from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.etcd.rdzv_state import (
     NodeDesc,
     RendezvousState,
@@ -58,7 +59,8 @@ def _integrity(key: str, stored: bytes, job_secret: bytes | None) -> str:
 
 
 def _read_etcd_v3(endpoint: str, run_id: str, key_prefix: str | None, **conn: Any) -> dict[str, Any]:
-    key, error_key = run_key(key_prefix, run_id, "state"), f"{run_key(key_prefix, run_id, 'store')}/{CONFIG_ERROR_KEY}"
+    key = run_key(key_prefix, run_id, STATE_LEAF)
+    error_key = f"{run_key(key_prefix, run_id, STORE_LEAF)}/{CONFIG_ERROR_KEY}"
     job_secret = secret(conn.pop("secret_file", None))
     client = EtcdV3Client(connection_spec(endpoint, conn))
     try:

@@ -24,7 +24,7 @@ from torch.distributed import Store
 
 from elastic_mnist.compat.private import exit_barrier_key, round_store_prefix
 from elastic_mnist.contract.exit_codes import OK, PERMANENT
-from elastic_mnist.etcd.client import CONFIG_ERROR_KEY
+from elastic_mnist.contract.keys import CONFIG_ERROR_KEY
 from elastic_mnist.etcd.rdzv_state import decode_state
 
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from elastic_mnist.contract.env import PEER_BEACONS_ENV
+from elastic_mnist.contract.keys import BEACONS_LEAF
 from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.etcd.lease import LeaseKeeper
 from elastic_mnist.etcd.rdzv_state import StateIntegrityError
@@ -94,7 +95,7 @@ class PeerLiveness:
     def __init__(self, client: EtcdV3Client, lease: LeaseKeeper, key_prefix: str, run_id: str,
                  secret: bytes | None) -> None:
         self._client, self._lease, self._secret = client, lease, secret
-        self._dir = run_key(key_prefix, run_id, "probe") + "/"
+        self._dir = run_key(key_prefix, run_id, BEACONS_LEAF) + "/"
         self._beacon: Beacon | None = None
         self._own: str | None = None
         self._written: bytes | None = None  # what this agent last wrote under its key

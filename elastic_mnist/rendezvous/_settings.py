@@ -13,6 +13,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
+from elastic_mnist.contract.keys import STATE_LEAF
 from elastic_mnist.contract.rdzv_conf import (
     DEFAULT_CRASH_LIMIT,
     DEFAULT_CRASH_WINDOW_S,
@@ -76,7 +77,7 @@ def parse_settings(params: RendezvousParameters) -> EtcdV3Settings:
     check_values(params.config)  # every number in its key's range: torch would fail only mid-rendezvous
     prefix = str(params.get("key_prefix") or DEFAULT_KEY_PREFIX)
     try:
-        run_key(prefix, params.run_id, "state")
+        run_key(prefix, params.run_id, STATE_LEAF)
     except EtcdV3Error as exc:
         raise EtcdV3ConfigError(f"--rdzv-id: {exc}") from exc
     try:

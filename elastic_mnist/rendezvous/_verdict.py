@@ -23,8 +23,8 @@ from torch.distributed import Store
 
 from elastic_mnist import agent_link
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.keys import CONFIG_ERROR_KEY
 from elastic_mnist.contract.rdzv_conf import BACKEND_NAME
-from elastic_mnist.etcd.client import CONFIG_ERROR_KEY
 from elastic_mnist.rendezvous._closed import exit_if_closed
 from elastic_mnist.rendezvous._prompt import RoundView
 from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods

@@ -64,6 +64,7 @@ from elastic_mnist import agent_link, job_secret
 from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import AGENT_PID_ENV
 from elastic_mnist.contract.errors import UserError
+from elastic_mnist.contract.keys import STATE_LEAF, STORE_LEAF
 from elastic_mnist.contract.rdzv_conf import (
     BACKEND_NAME,
     DEFAULT_KEY_PREFIX,
@@ -134,7 +135,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._lease = lease or LeaseKeeper(client, 0)
         self._secret = secret
         self._guard, self._lock = ReplayGuard(), threading.Lock()
-        self.key = run_key(key_prefix, run_id, "state")
+        self.key = run_key(key_prefix, run_id, STATE_LEAF)
         self.revision = 0
 
     def _checked(self, stored: bytes, meta: Any) -> bytes:
@@ -249,7 +250,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdV3RendezvousBacken
         client.others_reach_etcd = liveness.others_reach_etcd
     backend = EtcdV3RendezvousBackend(client, params.run_id, settings.key_prefix, lease, settings.secret,
                                       RoundView(settings.window, liveness, settings.last_call))
-    store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, "store"), lease=lease,
+    store = EtcdV3Store(client, run_key(settings.key_prefix, params.run_id, STORE_LEAF), lease=lease,
                         secret=settings.secret)
     try:
         backend.get_state()  # reachability, TLS, credentials and read permission in one round trip

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from elastic_mnist import netprobe
 from elastic_mnist.compat import private as compat
+from elastic_mnist.contract.keys import ALARM_KEY, CONTROL_PREFIX
 from elastic_mnist.distributed import bury, group_device, wait
 from elastic_mnist.worker.stop import StopRequest
 
@@ -62,7 +63,7 @@ class ControlPlane:
         self._store_is_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
         self._agree_group = self._watch_group = self._alarm = None
         if world_size > 1:
-            prefix = f"elastic-mnist/control/{_round_token()}"
+            prefix = f"{CONTROL_PREFIX}/{_round_token()}"
             self._agree_group = _gloo_group(f"{prefix}/agree", config.collective_timeout)
             self._watch_group = _gloo_group(f"{prefix}/watch", config.peer_timeout)
             self._alarm = dist.PrefixStore(f"{prefix}/alarm", compat.default_store())
@@ -181,7 +182,6 @@ class ControlPlane:
         return self.peer_lost.wait(timeout_s)
 
 
-ALARM_KEY = "lost"
 THREAD_PREFIX = "peer-"  # every thread of a control plane is named so
 
 
