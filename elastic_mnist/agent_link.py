@@ -35,7 +35,7 @@ from typing import NoReturn
 
 from elastic_mnist import files, procs
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.contract.env import AGENT_DIR_ENV, AGENT_PID_ENV
+from elastic_mnist.contract.env import agent_dir, agent_pid, set_agent_dir
 
 CONFIG_ERROR = "config-error"
 ROUND_OVER = "round-over"  # a worker's round ended for a membership change: restart it, count nothing
@@ -67,7 +67,7 @@ def create(environ=os.environ) -> str:
     _HELD.append(fd)  # released by the kernel when this process ends, however it ends
     path = os.path.join(parent, os.path.basename(building)[1:])
     os.rename(building, path)
-    environ[AGENT_DIR_ENV] = path
+    set_agent_dir(environ, path)
     atexit.register(shutil.rmtree, path, True)
     return path
 
@@ -114,7 +114,7 @@ def _owner_gone(path: str, pid: int, ticks: int) -> bool:
 
 def directory(environ=os.environ) -> str:
     """The agent's directory as handed to this worker ("" when not started by an etcd-v3 agent)."""
-    return environ.get(AGENT_DIR_ENV, "")
+    return agent_dir(environ)
 
 
 def report_config_error(line: str, environ=os.environ) -> bool:
@@ -212,5 +212,5 @@ def end_process(code: int, environ=os.environ, stopped: bool = False) -> NoRetur
 
 def _started_by_agent(environ) -> bool:
     """torchrun's own child (a stand-in or a cold worker), not a fork of the warm process."""
-    agent = environ.get(AGENT_PID_ENV, "")
-    return agent.isdigit() and os.getppid() == int(agent)
+    agent = agent_pid(environ)
+    return agent is not None and os.getppid() == agent

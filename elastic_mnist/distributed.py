@@ -8,7 +8,6 @@ Everything else takes rank and world size as arguments, so multi-rank logic stay
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import socket
 import sys
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist.compat import private as compat
-from elastic_mnist.contract.env import NODE_ENV, PEER_BEACONS_ENV
+from elastic_mnist.contract.env import NODE_ENV, peer_beacons
 from elastic_mnist.contract.errors import NodeLocalError
 from elastic_mnist.contract.keys import MUSTER_PREFIX
 from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard
@@ -65,7 +64,7 @@ def read_env(environ: dict | None = None) -> DistEnv:
         run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
         launched=True,
         node=env.get(NODE_ENV) or socket.gethostname(),
-        peer_beacons=_beacons(env.get(PEER_BEACONS_ENV, "")),
+        peer_beacons=peer_beacons(env),
         master=_master(env),
     )
 
@@ -73,14 +72,6 @@ def read_env(environ: dict | None = None) -> DistEnv:
 def _master(env) -> tuple[str, int] | None:
     port = env.get("MASTER_PORT", "")
     return (env["MASTER_ADDR"], int(port)) if env.get("MASTER_ADDR") and port.isdigit() else None
-
-
-def _beacons(text: str) -> dict[str, str]:
-    try:
-        value = json.loads(text) if text else {}
-    except ValueError:
-        return {}  # not what our agent writes: no probes, the heartbeat's timeout alone decides
-    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
 def pick_backend(requested: str, local_world_size: int) -> str:

@@ -14,7 +14,7 @@ import threading
 import time
 
 from elastic_mnist import procs, volume
-from elastic_mnist.contract.env import STARTED_AT_ENV
+from elastic_mnist.contract.env import started_at
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.files import atomic_write
 from elastic_mnist.runlog import RunLog
@@ -203,9 +203,9 @@ def process_age_s() -> float:
     The start time is in clock ticks since boot; CLOCK_BOOTTIME is the same clock (btime in /proc/stat
     is rounded to whole seconds and would be off by up to one). A warm child counts from its stand-in's
     exec, where torchrun started this worker (elastic_mnist/warm)."""
-    handed = os.environ.get(STARTED_AT_ENV)
-    if handed:
-        return time.time() - float(handed)
+    handed = started_at()
+    if handed is not None:
+        return time.time() - handed
     ticks = procs.start_ticks(os.getpid())
     if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):
         return float("nan")

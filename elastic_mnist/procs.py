@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.contract.env import AGENT_ONLY, AGENT_PID_ENV
+from elastic_mnist.contract.env import AGENT_ONLY, agent_pid
 
 T = TypeVar("T")
 
@@ -49,8 +49,8 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None
 def launcher_pid() -> int:
     """The pid of the agent that started this process: what the etcd-v3 agent wrote for its workers
     ($ELASTIC_MNIST_AGENT_PID), else our parent now (another backend's agent; as early as possible)."""
-    given = os.environ.get(AGENT_PID_ENV, "")
-    return int(given) if given.isdigit() else os.getppid()
+    given = agent_pid()
+    return os.getppid() if given is None else given
 
 
 _PR_SET_CHILD_SUBREAPER = 36

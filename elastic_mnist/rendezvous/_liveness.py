@@ -24,14 +24,13 @@ forms; allow agent-to-agent TCP within the job, or set peer_probe=0.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-from elastic_mnist.contract.env import PEER_BEACONS_ENV
+from elastic_mnist.contract.env import set_peer_beacons
 from elastic_mnist.contract.keys import BEACONS_LEAF
 from elastic_mnist.etcd.client import EtcdV3Client, EtcdV3Error, run_key
 from elastic_mnist.etcd.lease import LeaseKeeper
@@ -136,7 +135,7 @@ class PeerLiveness:
                            and (address := self._parse(meta.key.decode(), value, meta)[0])}
             self._learned_round = round_
             wanted = set(participants)
-            os.environ[PEER_BEACONS_ENV] = json.dumps({n: a for n, a in self._peers.items() if n in wanted})
+            set_peer_beacons(os.environ, {n: a for n, a in self._peers.items() if n in wanted})
 
     def _republish_if_changed(self, published: list) -> None:
         # Another agent took our key (a refusal it got wrong, a node back under its old name), or someone

@@ -62,7 +62,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 
 from elastic_mnist import agent_link, job_secret
 from elastic_mnist.compat import private as compat
-from elastic_mnist.contract.env import AGENT_PID_ENV
+from elastic_mnist.contract.env import set_agent_pid
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.contract.keys import STATE_LEAF, STORE_LEAF
 from elastic_mnist.contract.rdzv_conf import (
@@ -273,7 +273,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     state = backend.get_state()
     exit_if_closed(params.run_id, state, store, f"elastic-mnist {BACKEND_NAME}")  # nothing started yet
     compat.fresh_worker_store(os.environ)  # in the agent process that chose our backend; see compat/private.py
-    os.environ[AGENT_PID_ENV] = str(os.getpid())  # its workers' parent (it may be PID 1: procs.py)
+    set_agent_pid(os.environ, os.getpid())  # its workers' parent (it may be PID 1: procs.py)
     agent_dir = agent_link.create(os.environ)  # private: the warm socket, a worker's configuration error
     job_secret.hand_to_workers(params.get("secret_file"))  # their checkpoints' digest key
     flags = before_joining(agent_dir, settings, _joins_a_running_job(state), store, params.run_id)

@@ -25,7 +25,7 @@ import sys
 import time
 
 from elastic_mnist import procs
-from elastic_mnist.contract.env import WARM_ADDRESS_ENV, WARM_TOKEN_ENV
+from elastic_mnist.contract.env import set_warm
 from elastic_mnist.warm import _wire, probe
 from elastic_mnist.warm.plan import WorkerPlan
 from elastic_mnist.warm.server import FAILED, LISTENING, READY, WARM
@@ -106,7 +106,7 @@ def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True,
     if warm.wait(LISTENING, LISTEN_TIMEOUT_S, "the warm process to listen") != LISTENING:
         print("elastic-mnist warm start: the warm process did not start; workers start cold", file=sys.stderr)
         return None
-    environ[WARM_ADDRESS_ENV], environ[WARM_TOKEN_ENV] = address, token
+    set_warm(environ, address, token)
     if wait_ready:
         _before_joining(warm, build=in_place and plan is not None)
     return warm

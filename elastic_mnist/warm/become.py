@@ -11,7 +11,7 @@ import io
 import os
 import sys
 
-from elastic_mnist.contract.env import PREFIX, STARTED_AT_ENV
+from elastic_mnist.contract.env import PREFIX, set_started_at
 from elastic_mnist.warm import _wire, settings
 
 _REPLACED: list = []  # earlier stdio objects: kept, because collecting one would close fd 0/1/2
@@ -38,7 +38,7 @@ def become(request: dict, fds: list[int]) -> str:
         _reopen_stdio(bool(request.get("unbuffered")))
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ[STARTED_AT_ENV] = repr(float(request["started"]))
+    set_started_at(os.environ, request["started"])
     os.chdir(request["cwd"])
     sys.path[:] = request["path"]
     sys.argv[:] = request["argv"]

@@ -19,7 +19,7 @@ import time
 
 from elastic_mnist import agent_link, procs
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.contract.env import STARTED_AT_ENV, WARM_ADDRESS_ENV, WARM_TOKEN_ENV
+from elastic_mnist.contract.env import started_at, take_warm
 from elastic_mnist.warm import _wire, settings
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -74,9 +74,8 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     """Run this process's command in a warm child and never return, or return at once (start cold).
     `preload`: modules the warm process imports when it starts, once per node (its agent reads this call's
     literal list from the script, plan.declared_preload); one it has not imported, the worker imports itself."""
-    address = os.environ.pop(WARM_ADDRESS_ENV, "")
-    token = os.environ.pop(WARM_TOKEN_ENV, "")  # the agent's: for its warm process only, never the worker's
-    if not address or STARTED_AT_ENV in os.environ or not hasattr(os, "pidfd_open"):
+    address, token = take_warm()  # the agent's: for its warm process only, never the worker's
+    if not address or started_at() is not None or not hasattr(os, "pidfd_open"):
         return
     started = time.time()
     stand_in = _StandIn()

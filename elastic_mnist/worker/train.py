@@ -14,7 +14,6 @@ the group could not agree on a stop in time.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -25,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic_mnist import agent_link, distributed, procs
 from elastic_mnist.config import parse_args
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.contract.env import STARTED_AT_ENV
+from elastic_mnist.contract.env import started_at
 from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.worker import life
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
     procs.best_effort_console()  # a closed stdout (`| head`, an agent's pipe gone) never ends training
     stop = stop_signals.for_process()  # installed before the slow start-up (by -m elastic_mnist.train: before
     # torch loads): a preemption during it is still a graceful stop
-    if distributed.read_env().launched and STARTED_AT_ENV not in os.environ:  # a warm child's parent is
+    if distributed.read_env().launched and started_at() is None:  # a warm child's parent is
         # the warm process, which set this up at the fork (warm/child.py). If our torchrun agent dies, stop at the
         # next step boundary with the group and save (SIGHUP), rather than die with the steps since the last
         # snapshot (SIGKILL).
