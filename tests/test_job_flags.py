@@ -13,10 +13,10 @@ from types import SimpleNamespace
 from etcd_fixtures import rdzv_params
 
 from elastic_mnist.config import parse_args
+from elastic_mnist.contract.warm import WorkerPlan
 from elastic_mnist.rendezvous import _flags as job_flags
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
 from elastic_mnist.rendezvous.policy import AgentPolicy
-from elastic_mnist.warm.plan import WorkerPlan
 
 
 def _plan(*args: str, module: str = "elastic_mnist.train") -> WorkerPlan:

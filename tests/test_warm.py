@@ -18,8 +18,8 @@ import pytest
 
 from elastic_mnist import agent_link, procs
 from elastic_mnist.contract.env import WARM_ADDRESS_ENV
+from elastic_mnist.rendezvous._warm_start import start_for_workers
 from elastic_mnist.warm import _wire, settings
-from elastic_mnist.warm.agent import start_for_workers
 from elastic_mnist.warm.inbox import REQUEST_TIMEOUT_S
 
 SCRIPT = textwrap.dedent("""

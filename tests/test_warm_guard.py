@@ -19,8 +19,8 @@ import pytest
 
 from elastic_mnist import agent_link, procs
 from elastic_mnist.contract.env import WARM_ADDRESS_ENV, WARM_TOKEN_ENV
+from elastic_mnist.rendezvous._warm_start import start_for_workers
 from elastic_mnist.warm import _wire
-from elastic_mnist.warm.agent import start_for_workers
 
 COLD = "elastic-mnist warm start: starting cold: "
 # A stand-in whose request is changed by `sys.argv[1]` (Python, on `r`) before it is sent: as a stand-in of
@@ -216,13 +216,14 @@ def test_a_worker_confined_beyond_what_a_fork_can_take_starts_cold_saying_why(wa
 def test_the_modules_a_script_names_for_its_warm_process_are_read_from_its_source(tmp_path):
     """What a script's handoff() names is imported when the warm process starts (torchrun's plan), not when a
     request names it."""
-    from elastic_mnist.warm.plan import WorkerPlan
+    from elastic_mnist.contract.warm import WorkerPlan
+    from elastic_mnist.warm.plan import request_for
 
     script = tmp_path / "job.py"
     script.write_text("from elastic_mnist.warm import handoff\nhandoff(preload=('torch', 'json'))\nimport torch\n")
-    assert WorkerPlan({"path": str(script)}, [], str(tmp_path), 1).request(0)["preload"] == ["torch", "json"]
+    assert request_for(WorkerPlan({"path": str(script)}, [], str(tmp_path), 1), 0)["preload"] == ["torch", "json"]
     (tmp_path / "plain.py").write_text("import torch\n")
-    assert WorkerPlan({"path": str(tmp_path / "plain.py")}, [], str(tmp_path), 1).request(0)["preload"] == []
+    assert request_for(WorkerPlan({"path": str(tmp_path / "plain.py")}, [], str(tmp_path), 1), 0)["preload"] == []
 
 
 def test_a_request_is_read_piece_by_piece_and_refused_at_its_deadline(monkeypatch):

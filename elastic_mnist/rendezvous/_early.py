@@ -17,10 +17,10 @@ from elastic_mnist import agent_link
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.rdzv_conf import BACKEND_NAME
 from elastic_mnist.rendezvous import _flags as job_flags
+from elastic_mnist.rendezvous import _plan as warm_plan
+from elastic_mnist.rendezvous import _warm_start as warm_agent
 from elastic_mnist.rendezvous._settings import EtcdV3Settings
 from elastic_mnist.rendezvous._verdict import ALONE
-from elastic_mnist.warm import agent as warm_agent
-from elastic_mnist.warm import plan as warm_plan
 
 
 def before_joining(agent_dir: str, settings: EtcdV3Settings, joining: bool, store: Store,

@@ -26,8 +26,8 @@ from torch.distributed import Store
 from elastic_mnist.config import flag_name, parse_args
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.contract.keys import FINGERPRINT_KEY
+from elastic_mnist.contract.warm import TRAIN_MODULE, WorkerPlan
 from elastic_mnist.rendezvous.policy import AgentPolicy, Layer, Methods
-from elastic_mnist.warm.plan import TRAIN_MODULE, WorkerPlan
 
 log = logging.getLogger(__name__)
 

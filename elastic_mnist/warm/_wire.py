@@ -27,12 +27,10 @@ import sys
 
 from elastic_mnist.warm import settings
 
-SOCKET_NAME = "warm.sock"
 STDIO = (0, 1, 2)
 _LEN = struct.Struct("!I")
 HEAD_SIZE = _LEN.size
 MAX_MESSAGE = 1 << 22
-MAX_PATH = 100  # sun_path holds 108 bytes: a longer agent directory gets no warm process
 
 
 class WireError(ValueError):
@@ -146,6 +144,3 @@ def peer(sock: socket.socket) -> tuple[int, int]:
                                                          struct.calcsize("3i")))
     return pid, uid
 
-
-def address_in(directory: str) -> str:
-    return os.path.join(directory, SOCKET_NAME)

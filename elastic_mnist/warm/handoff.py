@@ -25,7 +25,7 @@ from elastic_mnist.warm import _wire, settings
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 REPLY_TIMEOUT_S = 900.0
 """How long to wait for the worker's pid: on a node's first start the warm process may still be importing, or
-the worker started before its round still building (warm/agent.py READY_TIMEOUT_S)."""
+the worker started before its round still building (rendezvous/_warm_start.py READY_TIMEOUT_S)."""
 
 
 class _StandIn:

@@ -19,15 +19,15 @@ import socket
 import sys
 
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract.warm import FAILED, READY, WorkerPlan
 from elastic_mnist.warm import _wire, inbox, probe
 from elastic_mnist.warm.child import Job
 from elastic_mnist.warm.fleet import ATTACHING, BUILDING, IDLE, RUNNING, STARTING, Fleet, Worker
 from elastic_mnist.warm.inbox import Inbox
-from elastic_mnist.warm.plan import WorkerPlan
+from elastic_mnist.warm.plan import request_for
 
 # What the warm process writes to its --ready-fd: listening, torch imported (and the fork proven safe),
 # every worker started before its round built, or one of them ended first (a configuration error, say).
-LISTENING, WARM, READY, FAILED = b"1", b"2", b"3", b"x"
 
 
 class Server:
@@ -239,7 +239,7 @@ class Server:
         if self.plan is None or not self.in_place or self.preloads.refusal:
             return None
         for local_rank in range(self.plan.local_world_size):
-            job = self._fork(self.plan.request(local_rank), [], None, str(local_rank))
+            job = self._fork(request_for(self.plan, local_rank), [], None, str(local_rank))
             if job is not None:
                 return job
         return None

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-PROBE_TIMEOUT_S = 20.0
+from elastic_mnist.contract.warm import PROBE_TIMEOUT_S
 
 
 class Preloads:

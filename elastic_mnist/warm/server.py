@@ -1,5 +1,5 @@
 """The warm process: one per torchrun agent, a single thread that imported torch once and forks the workers.
-The agent starts it (warm/agent.py) and it ends with the agent, after its workers; its loop is loop.py.
+The agent starts it (rendezvous/_warm_start.py) and it ends with the agent, after its workers; its loop is loop.py.
 
     python -m elastic_mnist.warm.server --agent PID --address DIR/warm.sock --token-fd FD [--in-place --plan-on-stdin]
 
@@ -17,9 +17,9 @@ import signal
 import socket
 import sys
 
-from elastic_mnist.warm import probe
-from elastic_mnist.warm.loop import FAILED, LISTENING, READY, WARM, Server
-from elastic_mnist.warm.plan import WorkerPlan
+from elastic_mnist.contract.warm import FAILED, LISTENING, PROBE_TIMEOUT_S, READY, WARM, WorkerPlan
+from elastic_mnist.warm.loop import Server
+from elastic_mnist.warm.plan import request_for
 
 __all__ = ["FAILED", "LISTENING", "READY", "WARM", "main"]
 BASE_PRELOAD = ("torch",)
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
                         "from stdin, and fork it before its round")
     parser.add_argument("--preload", action="append", default=[], help="a module to import before forking "
                         "(besides torch and the plan's); a request's other modules are its worker's to import")
-    parser.add_argument("--probe-timeout", type=float, default=probe.PROBE_TIMEOUT_S, help="the fork probe's bound")
+    parser.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, help="the fork probe's bound")
     args = parser.parse_args(argv)
     # A Ctrl-C, or a SIGTERM to every process of the node, is the agent's to handle: it stops its workers and
     # ends, and this process ends with it, after its workers (their forks reset these).
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         server.control = socket.socket(fileno=args.control_fd)
         server.selector.register(server.control, selectors.EVENT_READ, "control")
     server.mark(LISTENING)
-    server.preloads.load([*BASE_PRELOAD, *args.preload, *(plan.request(0)["preload"] if plan else ())])
+    server.preloads.load([*BASE_PRELOAD, *args.preload, *(request_for(plan, 0)["preload"] if plan else ())])
     server.mark(WARM)
     job = server.prestart()
     if job is None and not server.fleet.building():

@@ -26,9 +26,17 @@ import time
 
 from elastic_mnist import procs
 from elastic_mnist.contract.env import set_warm
-from elastic_mnist.warm import _wire, probe
-from elastic_mnist.warm.plan import WorkerPlan
-from elastic_mnist.warm.server import FAILED, LISTENING, READY, WARM
+from elastic_mnist.contract.warm import (
+    FAILED,
+    LISTENING,
+    MAX_PATH,
+    PROBE_TIMEOUT_S,
+    READY,
+    SERVER_MODULE,
+    WARM,
+    WorkerPlan,
+    address_in,
+)
 
 LISTEN_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 900.0  # a joiner's workers: imports, --startup-cost, data, model; progress every 30 s
@@ -72,20 +80,20 @@ class WarmProcess:
 
 
 def start_for_workers(agent_dir: str, environ=os.environ, in_place: bool = True, plan: WorkerPlan | None = None,
-                      wait_ready: bool = False, probe_timeout_s: float = probe.PROBE_TIMEOUT_S,
+                      wait_ready: bool = False, probe_timeout_s: float = PROBE_TIMEOUT_S,
                       preload: tuple[str, ...] = ()) -> WarmProcess | None:
     """In the torchrun agent: start its warm process and point the workers it starts at it, once it listens;
     with `wait_ready`, once it has built each local rank's worker too. None where it cannot start (workers
     start cold)."""
-    address = _wire.address_in(agent_dir)
-    if not hasattr(os, "pidfd_open") or len(address) > _wire.MAX_PATH:
-        why = "no pidfd" if len(address) <= _wire.MAX_PATH else f"{address} is too long a socket path: shorten $TMPDIR"
+    address = address_in(agent_dir)
+    if not hasattr(os, "pidfd_open") or len(address) > MAX_PATH:
+        why = "no pidfd" if len(address) <= MAX_PATH else f"{address} is too long a socket path: shorten $TMPDIR"
         print(f"elastic-mnist warm start: no warm process ({why}); workers start cold", file=sys.stderr, flush=True)
         return None
     marks_r, marks_w = os.pipe()
     token_r, token_w = os.pipe()  # the token the agent's workers carry: not in `ps`, not in its environment
     ours, theirs = socket.socketpair()
-    command = [sys.executable, "-m", "elastic_mnist.warm.server", "--agent", str(os.getpid()), "--address", address,
+    command = [sys.executable, "-m", SERVER_MODULE, "--agent", str(os.getpid()), "--address", address,
                "--ready-fd", str(marks_w), "--control-fd", str(theirs.fileno()), "--token-fd", str(token_r),
                "--probe-timeout", str(probe_timeout_s), *(["--in-place"] if in_place else []),
                *(f"--preload={name}" for name in preload),
