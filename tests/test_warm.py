@@ -283,7 +283,7 @@ KEPT = textwrap.dedent("""
     import json, os, sys
     from elastic_mnist.warm import handoff
     handoff()
-    from elastic_mnist.warm import kept
+    from elastic_mnist.contract import kept
     session, rounds = kept.session(), 0
     while True:
         rounds += 1

@@ -18,14 +18,14 @@ import select
 import socket
 import time
 
+from elastic_mnist.contract.kept import hand_over
 from elastic_mnist.warm import _wire
 from elastic_mnist.warm.become import become, differences, let_go_of_stdio
 
-_SESSION: Session | None = None
 TICK_S = 0.2  # how often a waiting worker looks at its stop request (a signal's handler runs between waits)
 
 
-class Session:
+class Session:  # a contract.kept.KeptSession
     def __init__(self, channel: socket.socket, request: dict, attached: bool) -> None:
         self.channel, self.request, self.attached = channel, request, attached
         self.built_from = request
@@ -83,11 +83,6 @@ class Session:
 
 
 def install(channel: socket.socket, request: dict, attached: bool, in_place: bool) -> None:
-    """At the fork: this process's session with its warm process (kept only with in-place rounds)."""
-    global _SESSION
-    _SESSION = Session(channel, request, attached) if in_place else None
-
-
-def session() -> Session | None:
-    """The session of a worker that may outlive its round; None for any other process."""
-    return _SESSION
+    """At the fork: this process's session with its warm process (kept only with in-place rounds), handed over
+    to the worker's code (contract/kept.py)."""
+    hand_over(Session(channel, request, attached) if in_place else None)

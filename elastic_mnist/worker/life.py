@@ -6,10 +6,11 @@ then its node's end.
 
 A worker builds once (worker/build.py: device, data, model, optimizer, the task's state) and then trains
 rounds. torchrun starts a process for every round; under etcd-v3 with in-place rounds that process only stands
-in for this one (warm/kept.py). At the end of a round this process tears down its process groups, its stand-in
-exits, and it waits for the next round's stand-in, keeping everything it built and the state it trained. The
-next round agrees on the newest state with its peers; its own memory counts as a state at its last agreed
-step, and nothing is decoded when that wins. Elsewhere a process lives one round, as torchrun expects.
+in for this one (its session: contract/kept.py). At the end of a round this process tears down its process
+groups, its stand-in exits, and it waits for the next round's stand-in, keeping everything it built and the
+state it trained. The next round agrees on the newest state with its peers; its own memory counts as a state
+at its last agreed step, and nothing is decoded when that wins. Elsewhere a process lives one round, as
+torchrun expects.
 
 How a round ends, and what its stand-in exits with:
   done .............................................. 0; the process ends
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_mnist import distributed, graveyard
-from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract import exit_codes, kept
 from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
 from elastic_mnist.runlog import RunLog
@@ -44,7 +45,6 @@ from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import cpu_snapshot
 from elastic_mnist.usage import trim_heap, usage
-from elastic_mnist.warm import kept
 from elastic_mnist.worker.build import Process, build_process, build_round
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.control import threads_ended as control_threads_ended
