@@ -327,6 +327,22 @@ def test_a_kept_worker_that_is_not_the_rounds_worker_leaves_and_a_fresh_one_serv
     assert procs.wait_exit(first["pid"], 30)
 
 
+REOPEN = textwrap.dedent("""
+    import io, os, sys
+    from elastic_mnist.warm import become
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=True), write_through=True)  # one that owns fd 1
+    for _ in range(100):  # a hundred rounds' stand-ins
+        become._reopen_stdio(unbuffered=True)
+    print(len(become._REPLACED), os.fstat(1).st_mode != 0, flush=True)
+""")
+
+
+def test_a_kept_workers_stdio_of_past_rounds_is_let_go_of_but_no_descriptor_closed():
+    done = subprocess.run([sys.executable, "-c", REOPEN], capture_output=True, text=True, timeout=60,
+                          env=procs.child_env())
+    assert done.stdout.split() == ["1", "True"], done.stdout + done.stderr  # only the stream that owns fd 1 kept
+
+
 @pytest.mark.slow  # a warm process of its own (torch imported again)
 def test_kept_workers_end_with_their_agent(tmp_path):
     environ: dict[str, str] = {}

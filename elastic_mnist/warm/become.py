@@ -14,7 +14,7 @@ import sys
 from elastic_mnist.contract.env import PREFIX, set_started_at
 from elastic_mnist.warm import _wire, settings
 
-_REPLACED: list = []  # earlier stdio objects: kept, because collecting one would close fd 0/1/2
+_REPLACED: list = []  # the interpreter's own stdio objects: kept, because collecting one would close fd 0/1/2
 _OWN: list[int] = []  # copies of the warm process's stdio (its agent's), for a kept worker between rounds
 # Set per round by torchrun (and by our agent), so they may differ between the rounds a kept worker serves;
 # anything else in the environment must be what the worker was built with.
@@ -77,7 +77,9 @@ def _reopen_stdio(unbuffered: bool) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    _REPLACED.extend([sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__])
+    for stream in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__):
+        if _closes_its_fd(stream) and not any(stream is kept for kept in _REPLACED):
+            _REPLACED.append(stream)  # the interpreter's own: ours (closefd=False) may go, every round's
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
     for fd, name, errors in ((1, "stdout", "strict"), (2, "stderr", "backslashreplace")):
         tty = os.isatty(fd)
@@ -85,6 +87,11 @@ def _reopen_stdio(unbuffered: bool) -> None:
         stream = io.TextIOWrapper(raw, errors=errors, write_through=unbuffered, line_buffering=tty or fd == 2)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+
+
+def _closes_its_fd(stream) -> bool:
+    raw = getattr(stream, "buffer", stream)
+    return bool(getattr(getattr(raw, "raw", raw), "closefd", True))
 
 
 def _match_threads(environ) -> None:
