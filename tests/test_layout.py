@@ -260,6 +260,46 @@ def test_a_key_spelled_outside_contract_is_found(tmp_path):
         "elastic_mnist/a.py:1: 'elastic-mnist/control/'", "elastic_mnist/a.py:2: run_key(..., 'state')"]
 
 
+MUTATORS = {"append", "extend", "add", "update", "pop", "popitem", "clear", "setdefault", "insert", "remove",
+            "discard", "appendleft", "set"}
+
+
+def module_state_in_worker(package: Path = PACKAGE) -> list[str]:
+    """What makes a module of worker/ hold state of its own: a `global` statement, or a name bound at module
+    level that its functions change (a mutating method, an item or attribute assigned)."""
+    found = []
+    for path in sorted((package / "worker").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        where = f"{path.relative_to(package.parent)}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                found += [f"{where}:{node.lineno}: global {n}" for n in node.names]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                  and getattr(node.func.value, "id", None) in names):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node.func)}()")
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    if isinstance(t, (ast.Subscript, ast.Attribute)) and getattr(t.value, "id", None) in names:
+                        found.append(f"{where}:{node.lineno}: {ast.unparse(t)} =")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1])))
+
+
+def test_no_module_of_the_worker_holds_state_of_its_own():
+    assert module_state_in_worker() == []
+
+
+def test_module_state_in_the_worker_is_found(tmp_path):
+    (tmp_path / "elastic_mnist" / "worker").mkdir(parents=True)
+    (tmp_path / "elastic_mnist" / "worker" / "stop.py").write_text(
+        "_EARLY = None\n_SEEN = []\nLIMITS = {'a': 1}\ndef f():\n    global _EARLY\n    _EARLY = 1\n"
+        "    _SEEN.append(1)\n    LIMITS['b'] = 2\n    return LIMITS.get('a')\n")
+    assert module_state_in_worker(tmp_path / "elastic_mnist") == [
+        "elastic_mnist/worker/stop.py:5: global _EARLY", "elastic_mnist/worker/stop.py:7: _SEEN.append()",
+        "elastic_mnist/worker/stop.py:8: LIMITS['b'] ="]
+
+
 def env_names_spelled(package: Path = PACKAGE) -> list[str]:
     """Every string outside contract/ that is, or begins with, one of our environment variables' names (prose
     that mentions one, such as a message's `$ELASTIC_MNIST_DATA_DIR`, is for people and may)."""

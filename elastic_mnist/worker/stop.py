@@ -25,8 +25,6 @@ from contextlib import contextmanager
 
 from elastic_mnist.contract import exit_codes
 
-_EARLY: StopRequest | None = None
-
 
 class StopRequest:
     """SIGTERM (a spot preemption notice, or torchrun stopping us for a membership change) or SIGHUP
@@ -46,6 +44,8 @@ class StopRequest:
         self.at_once: str = ""
         """While set (what the worker is doing), a stop ends the process at once: nothing is loaded yet."""
         self._before: Callable[[], str] | None = None
+        self.early = False
+        """Installed before the imports (`install_early`), not yet taken by the worker (`for_process`)."""
         self.between_rounds = False
         """A kept worker between rounds (worker/life.py): SIGTERM and SIGINT only end a round that already
         ended (torchrun stops the stand-in it no longer needs); the node's end comes from the agent."""
@@ -163,20 +163,25 @@ def _exit_now(what: str, before: Callable[[], str] | None = None) -> None:
 
 
 def install_early() -> None:
-    """Install a StopRequest now (main thread, before the slow imports); `for_process` hands it on."""
-    global _EARLY
-    if _EARLY is None:
-        _EARLY = StopRequest()
-        _EARLY.at_once = "during start-up"  # importing torch, reading flags: seconds a stop need not wait
-        _EARLY.install()
+    """Install a StopRequest now (main thread, before the slow imports); `for_process` hands it on. The
+    signal table holds it meanwhile: no module state."""
+    if _installed_early() is None:
+        stop = StopRequest()
+        stop.early, stop.at_once = True, "during start-up"  # importing torch, reading flags: need not wait
+        stop.install()
+
+
+def _installed_early() -> StopRequest | None:
+    stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return stop if isinstance(stop, StopRequest) and stop.early else None
 
 
 def for_process() -> StopRequest:
     """The worker's StopRequest, installed: the early one with whatever it caught, else a new one. Taken
     once: a second worker run in the same process (tests) starts from no request."""
-    global _EARLY
-    stop, _EARLY = _EARLY, None
+    stop = _installed_early()
     if stop is not None:
+        stop.early = False
         stop.at_once = ""  # a worker run in-process (tests) leaves at its step boundary; run() sets its own
     if stop is None:
         stop = StopRequest()
