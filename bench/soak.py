@@ -186,7 +186,9 @@ def summarize(run_dir: Path, local: dict, samples: list[dict], etcd: list[dict])
     from elastic_mnist.runlog import read_records
 
     records = [r for r in read_records(str(run_dir / "tensorboard" / "events")) if r.get("node") in ("n0", "n1")]
-    rounds = {n: [r for r in records if r["node"] == n and r.get("event") == "round_end"] for n in ("n0", "n1")}
+    # In time order: a node's records come from several journal files (one per rank it held), read by name.
+    rounds = {n: sorted((r for r in records if r["node"] == n and r.get("event") == "round_end"),
+                        key=lambda r: r.get("time", 0.0)) for n in ("n0", "n1")}
     workers = {node: sorted({r["pid"] for r in records if r["node"] == node}) for node in ("n0", "n1")}
     fallbacks = [r.get("reason", "") for r in records if r.get("event") == "fallback"]
     events = local.get("events", [])
@@ -223,6 +225,12 @@ def rss_per_100(rows: list[dict]) -> float | None:
     mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
     den = sum((x - mx) ** 2 for x, _ in pts)
     return round(100 * sum((x - mx) * (y - my) for x, y in pts) / den, 2) if den else None
+
+
+def in_time_order(result: dict) -> dict:
+    """The result with each node's rounds in time order (a soak.json written before summarize sorted them)."""
+    return {**result, "rounds": {n: sorted(rows, key=lambda r: r.get("time") or 0.0)
+                                 for n, rows in result["rounds"].items()}}
 
 
 def judge(result: dict) -> list[dict]:

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 KUSTOMIZE = REPO / "deploy" / "kustomize"
 OVERLAYS = KUSTOMIZE / "overlays"
 DEFAULT_OVERLAY = "kind"
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where installed: the same documents, faster
 K8S_DIR = REPO / "k8s"
 BASE_IMAGE_NAME = "elastic-mnist"  # the image name base/kustomization.yaml's images: tags (elastic-mnist:0.1.0)
 
@@ -101,7 +102,7 @@ def render_text(overlay: str = DEFAULT_OVERLAY, image: str | None = None, loaded
 
 
 def render(overlay: str = DEFAULT_OVERLAY, image: str | None = None, loaded: bool = False) -> list[dict]:
-    docs = [d for d in yaml.safe_load_all(render_text(overlay, image, loaded)) if d]
+    docs = [d for d in yaml.load_all(render_text(overlay, image, loaded), Loader=_LOADER) if d]
     for doc in docs:
         if doc["kind"] in CLUSTER_SCOPED:
             doc["metadata"].pop("namespace", None)
@@ -145,7 +146,7 @@ def dump(docs: list[dict], overlay: str) -> str:
 
 
 def load_dir(directory: Path) -> dict[str, list[dict]]:
-    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
+    return {p.name: [d for d in yaml.load_all(p.read_text(), Loader=_LOADER) if d]
             for p in sorted(directory.glob("*.yaml"))}
 
 

@@ -3,6 +3,7 @@ a small generated data set for fast tests, and helpers to run real worker proces
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -57,13 +58,16 @@ def run_train(args: list[str], timeout: float = 300, **env: str) -> subprocess.C
                           timeout=timeout, env=worker_env(**env), cwd=REPO)
 
 
+@functools.cache
 def load_render():
-    """deploy/render.py (a script, not a package module), for the manifest tests."""
+    """deploy/render.py (a script, not a package module), for the manifest tests: one copy per session, which
+    runs kustomize once per overlay (each caller still parses its own documents, free to change them)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("deploy_render", REPO / "deploy" / "render.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.render_text = functools.cache(module.render_text)
     return module
 
 

@@ -51,6 +51,7 @@ from elastic_mnist.worker.control import threads_ended as control_threads_ended
 from elastic_mnist.worker.devicefault import device_fault
 from elastic_mnist.worker.failure import IN_PLACE
 from elastic_mnist.worker.fault_points import FaultPoints
+from elastic_mnist.worker.phase import Phase
 from elastic_mnist.worker.stop import StopRequest
 from elastic_mnist.worker.task import Task
 from elastic_mnist.worker.trainer import Trainer
@@ -76,6 +77,8 @@ class Life:
         self.faults: FaultPoints | None = None  # tests' injected failures (fault_points.py), from the first round
         self.last: CheckpointManager | None = None  # the last round's: it saves what the process holds at its end
         self.env: distributed.DistEnv | None = None  # the last round's place in the job
+        self.phase = Phase.STARTING  # this worker's one phase: only this class sets it (worker/phase.py)
+        stop.phase = lambda: self.phase
 
     def run(self) -> int:
         self._build()
@@ -85,7 +88,7 @@ class Life:
                 if what != "attach":
                     return self._node_end(what, why)
                 self.marks = {}
-            self.stop.round_starts()
+            self.phase = Phase.FORMING
             ending = self._round()
             if self.session is None:
                 return ending.code
@@ -132,6 +135,7 @@ class Life:
         except distributed.GroupFormationError as e:  # nothing trained: torchrun forms the next round
             return self._not_formed(str(e), e.clean, exit_codes.RESTART, goes_on=kept and e.clean)
         self.proc.marks["process_group"] = time.time()
+        self.phase = Phase.TRAINING
         with ExitStack() as stack:
             if self.session is None:
                 stack.callback(distributed.close)
@@ -191,6 +195,7 @@ class Life:
         if problem:
             return problem
         self.session.detach(ending.code)
+        self.phase = Phase.BETWEEN_ROUNDS
         self.stop.spent()
         # The round's objects refer to each other (trainer, its failure handoff, its control plane): only the
         # cycle collector frees them, with their process groups' threads and sockets, and it may not run for

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.worker.phase import Phase
 
 
 class StopRequest:
@@ -46,9 +47,8 @@ class StopRequest:
         self._before: Callable[[], str] | None = None
         self.early = False
         """Installed before the imports (`install_early`), not yet taken by the worker (`for_process`)."""
-        self.between_rounds = False
-        """A kept worker between rounds (worker/life.py): SIGTERM and SIGINT only end a round that already
-        ended (torchrun stops the stand-in it no longer needs); the node's end comes from the agent."""
+        self.phase: Callable[[], Phase] = lambda: Phase.TRAINING
+        """The worker's phase, as its life holds it (worker/phase.py)."""
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -56,7 +56,7 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         self.received += 1
-        if self.between_rounds and signum != signal.SIGHUP:
+        if signum != signal.SIGHUP and self.phase() is Phase.BETWEEN_ROUNDS:
             return  # a kept worker between rounds: its last round's stand-in passing on the end of that round
         if self.at_once and signum in _LEAVE_ON:
             _exit_now(self.at_once, self._before)
@@ -92,14 +92,10 @@ class StopRequest:
         return self.signum == signal.SIGHUP
 
     def spent(self) -> None:
-        """The stop that ended a round is spent: a worker kept for the next round waits for another, and a
-        stop signal that comes before that round is about the round that ended (see between_rounds)."""
-        self.between_rounds = True
+        """The stop that ended a round is spent: a worker kept for the next round waits for another (a stop
+        signal before that round is about the round that ended: Phase.BETWEEN_ROUNDS)."""
         if not self.orphaned:
             self.signum = None
-
-    def round_starts(self) -> None:
-        self.between_rounds = False
 
     @contextmanager
     def leave_at_once(self, what: str, before: Callable[[], str] | None = None):
