@@ -24,6 +24,7 @@ from pathlib import Path
 from bench import report
 from bench.machine import describe, one_line
 from bench.runner import REPO, child_env, log, median, python_m
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.contract.env import NODE_ENV
 from elastic_mnist.usage import usage
 
@@ -31,6 +32,7 @@ START, END = "<!-- soak:start -->", "<!-- soak:end -->"
 WARM_UP = 20  # rounds before growth is measured (the issue's warm-up: caches, first compiles)
 STEPS_BETWEEN = 24  # steps of training between two changes (at 0.05 s a step)
 SAMPLE_S = 2.0
+HOLD_LIMIT_S = TrainConfig.collective_timeout + 15.0  # a given-up group's collectives end by the timeout
 
 
 def schedule(changes: int, hosts: bool, gap: int = STEPS_BETWEEN, first: int = 40) -> str:
@@ -206,15 +208,30 @@ def _round_row(r: dict) -> dict:
 
 def growth(rows: list[dict], key: str) -> dict:
     """From round WARM_UP on, the first window (a fifth of the rounds, at least 5) against the last: the
-    floor (what every round keeps: a leak raises it) and the peak (a given-up round's groups, held until
-    its collectives end, come and go)."""
+    floor (what every round keeps: a leak raises it) and the peak. The floor counts only rounds that ended
+    holding no given-up round's groups: those are held until their collectives end, within the collective
+    timeout (`longest_hold_s` bounds that), and a run may end inside such a hold."""
     rows = [r for r in rows if r["round"] >= WARM_UP and r.get(key) is not None and r[key] >= 0]
+    held = [r for r in rows if not r.get("given_up")]
+    rows = held if len(held) >= 10 else rows
     if len(rows) < 10:
         return {"rounds": len(rows)}
     w = max(5, len(rows) // 5)
     first, last = [r[key] for r in rows[:w]], [r[key] for r in rows[-w:]]
     return {"rounds": len(rows), "first": min(first), "last": min(last), "growth": round(min(last) - min(first), 1),
             "peak_first": max(first), "peak_last": max(last)}
+
+
+def longest_hold_s(rows: list[dict]) -> float:
+    """The longest time a kept worker went on holding a given-up round's groups (round ends in time order): a
+    group whose collectives never end is held to the end of the run."""
+    longest, since = 0.0, None
+    for r in rows:
+        if r.get("given_up") and since is None:
+            since = r["time"]
+        elif not r.get("given_up") and since is not None:
+            longest, since = max(longest, r["time"] - since), None
+    return round(max(longest, rows[-1]["time"] - since if since is not None else 0.0), 1)
 
 
 def rss_per_100(rows: list[dict]) -> float | None:
@@ -241,6 +258,7 @@ def judge(result: dict) -> list[dict]:
         for key in ("threads", "fds", "sockets"):
             g = growth(rows, key).get("growth")
             out.append(_target(f"{node} {key} growth", g, "<=", 0))
+        out.append(_target(f"{node} given-up groups held (s)", longest_hold_s(rows), "<=", HOLD_LIMIT_S))
     keys = [s["etcd_keys"] for s in result["etcd"] if "etcd_keys" in s]
     out.append(_target("etcd keys growth (last sample - sample at a fifth of the run)",
                        keys[-1] - keys[len(keys) // 5] if len(keys) >= 5 else None, "<=", 0))

@@ -196,6 +196,12 @@ def test_the_soak_judges_the_floor_not_the_peaks_and_a_leak_misses():
     assert soak.growth(rows(flat), "threads")["growth"] == 0
     leak = [1 + i // 10 for i in range(100)]
     assert soak.growth(rows(leak), "threads")["growth"] > 0
+    # a given-up round's groups (10 threads) held past the run's end count as a hold, not as a floor that grew
+    held = [{"round": i, "time": 2.0 * i, "threads": 11 if i >= 90 else 1, "given_up": 3 if i >= 90 else 0}
+            for i in range(100)]
+    assert soak.growth(held, "threads")["growth"] == 0 and soak.longest_hold_s(held) == 18.0
+    never_let_go = [{**r, "given_up": 3 if r["round"] >= 30 else 0} for r in held]
+    assert soak.longest_hold_s(never_let_go) == 138.0 > soak.HOLD_LIMIT_S
     rss = [{"round": i, "rss_mb": 500 + 0.5 * i} for i in range(100)]
     assert soak.rss_per_100(rss) == 50.0
     chaos = soak.schedule(5, hosts=True, gap=10)

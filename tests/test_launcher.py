@@ -161,3 +161,19 @@ def test_host_faults_parse_and_need_hosts(tmp_path):
     with pytest.raises(UserError, match="add --hosts"):
         parse(["--run-dir", str(tmp_path), "--chaos", "vanish:n1@step=5"])
     assert not os.listdir(tmp_path), "nothing was created"
+
+
+def test_a_change_not_recovered_is_reported_with_its_rendezvous_and_the_nodes_last_line(tmp_path):
+    from elastic_mnist.local.live import stuck_line
+
+    log = tmp_path / "n2.log"
+    log.write_text("starting\nelastic-mnist etcd-v3: n2: waiting to join\n\n")
+    # the shape read_rendezvous_status returns (node ids are torch's host_pid_local)
+    status = {"found": True, "round": 7, "phase": "complete", "waiting": ["h_303_0"],
+              "participants": [{"node": "h_101_0", "rank": 0}, {"node": "h_202_0", "rank": 1}]}
+    line = stuck_line("join", "n2", 61.4, 2, status, {101: "n0", 202: "n1", 303: "n2"}, str(log))
+    assert line == ("join n2 not recovered after 61s (world 2); rendezvous round 7 complete: members [n0,n1], "
+                    "waiting [n2]; n2's last log line: elastic-mnist etcd-v3: n2: waiting to join")
+    unread = stuck_line("kill", "n1", 60, 3, None, {}, str(tmp_path / "missing.log"))
+    assert unread == ("kill n1 not recovered after 60s (world 3); "
+                      "rendezvous state not readable (--hosts, or not etcd-v3)")

@@ -28,7 +28,7 @@ from elastic_mnist.contract.env import NODE_ENV
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import chaos, hosts, trace
 from elastic_mnist.local.flags import RUN_DIR_MARK, parse
-from elastic_mnist.local.live import LiveView
+from elastic_mnist.local.live import STUCK_S, LiveView, read_rendezvous, stuck_line
 from elastic_mnist.local.nodes import Node, restart_delay
 from elastic_mnist.procs import alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
@@ -53,6 +53,7 @@ class Launcher:
         self.rdzv_endpoint = ""
         self.replay = trace.Replay(self) if args.trace else None
         self.t0 = time.time()
+        self.stuck_said: dict[int, int] = {}  # id(event) -> how many STUCK_S periods were reported
         self.nodes_started_at = self.t0
         # Each simulated node's "RAM" for snapshots; removed at the end like a machine's memory.
         shm = snapshots.root_of(TrainConfig().snapshot_dir) or os.path.join(args.run_dir, "shm")
@@ -182,8 +183,18 @@ class Launcher:
         if faults and faults[-1].kind != "etcd-restart" and pending[0].trigger != "after":
             chaos.account(faults[-1], self.tail.processes)
             if faults[-1].recovery_s is None:
+                self._say_stuck(faults[-1])
                 return
         self.fire(pending[0])
+
+    def _say_stuck(self, event: chaos.Event) -> None:
+        periods = int((time.time() - event.time) // STUCK_S)
+        if periods > self.stuck_said.get(id(event), 0):
+            self.stuck_said[id(event)] = periods
+            node = self.nodes.get(event.node or "")
+            self.view.event(stuck_line(event.kind, event.node, time.time() - event.time, self.tail.world_size,
+                                       self._rdzv_status(), {n.proc.pid: n.name for n in self.nodes.values()},
+                                       node.log_path if node else None))
 
     def run(self) -> int:
         with hosts.for_launcher(self):  # --hosts: etcd and each node on a host of its own, all removed after
@@ -224,18 +235,14 @@ class Launcher:
         return any(n.returncode == exit_codes.PERMANENT for n in self.nodes.values())
 
     def _config_error(self) -> str | None:
-        """The worker's own line a configuration error closed the job with: etcd-v3 keeps it in the job's store
-        (`elastic-mnist status` shows it too). With --hosts etcd is on a host of its own, out of reach here."""
-        if self.args.rdzv_backend != "etcd-v3" or self.hosts or not self._ended_on_config_error():
-            return None
-        from elastic_mnist.etcd.rdzv_status import read_rendezvous_status
+        """The worker's own line a configuration error closed the job with (etcd-v3 keeps it in the job's store)."""
+        status = self._rdzv_status() if self._ended_on_config_error() else None
+        return status.get("config_error") if status else None
 
-        conf = dict(self.args.rdzv_conf_items)
-        try:
-            return read_rendezvous_status(self.etcd.endpoint, self.run_id, key_prefix=conf.pop("key_prefix", None),
-                                          **conf).get("config_error")
-        except Exception:  # noqa: BLE001 - the node logs still hold the line; say where instead
-            return None
+    def _rdzv_status(self) -> dict | None:
+        # not readable from here with another backend, nor with --hosts (etcd is on a host of its own)
+        ok = self.args.rdzv_backend == "etcd-v3" and not self.hosts
+        return read_rendezvous(self.etcd.endpoint, self.run_id, self.args.rdzv_conf_items) if ok else None
 
     def _cold_start_s(self) -> float | None:
         """Launch of the first nodes to the job's first completed step: what a recovery is compared to."""

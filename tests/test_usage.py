@@ -1,0 +1,37 @@
+"""What a kept worker journals at each round's end (usage.py): counts that a round which frees what it made
+leaves where they were.
+
+    python -m pytest -q tests/test_usage.py
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+from torch.distributed import TCPStore
+
+from elastic_mnist.usage import usage
+
+
+def _links() -> list[str]:
+    fds = [f"/proc/self/fd/{n}" for n in os.listdir("/proc/self/fd")]
+    return [os.readlink(fd) for fd in fds if os.path.exists(fd)]
+
+
+def test_hosting_a_rounds_store_again_and_again_leaves_the_counts_where_the_first_left_them():
+    def host_a_round() -> None:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        store.set("round", b"1")
+        assert store.get("round") == b"1"
+        del store
+        gc.collect()
+
+    host_a_round()  # what libuv makes once a process (a pipe; an io_uring ring where the kernel has one) stays
+    first = usage()
+    for _ in range(3):
+        host_a_round()
+    again = usage()
+    assert (again["fds"], again["sockets"], again["threads"]) == (first["fds"], first["sockets"], first["threads"]), (
+        first, again, _links())
+    assert _links().count("anon_inode:[io_uring]") <= 1, _links()  # one ring a process, however many rounds
