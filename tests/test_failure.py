@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_mnist.contract import exit_codes
-from elastic_mnist.worker.failure import Bounds, FailureHandoff
+from elastic_mnist.worker.failure import Bounds, FailureHandoff, Handled
 
 WAIT_S = 10.0  # how long a test waits for anything at all: far above every bound below
 SLACK_S = 3.0  # what a loaded CI machine may add to a bound
@@ -94,7 +94,7 @@ def test_loss_seen_first_by_the_data_collective_main_saves_and_the_watch_stands_
     save = Save(during=heartbeat_fails_too)
     handoff = _handoff(save, exit, takeover_s=WAIT_S, end_s=0.3)
     t0 = time.monotonic()
-    assert handoff.main_failed(dist.DistError("peer reset")) == "saved by main"
+    assert handoff.main_failed(dist.DistError("peer reset")) == Handled(in_place=False, saved="saved by main")
     assert time.monotonic() - t0 < SLACK_S, "the watch did not wait out its takeover grace"
     assert watch_alive == [False] and save.owners == ["main"]
     assert exit.codes == [], "the main thread returns; the worker exits 75 itself"
@@ -169,3 +169,16 @@ def test_both_threads_failing_at_once_run_exactly_one_save():
             thread.join(WAIT_S)
             assert not thread.is_alive()
         assert len(save.owners) == 1 and exit.codes == [exit_codes.RESTART]
+
+
+def test_with_rounds_in_place_the_loss_ends_the_round_in_memory_with_no_save_and_no_exit():
+    exit, save, unblocked = Exit(), Save(), threading.Event()
+    handoff = FailureHandoff(save, Control(), Bounds(confirm_s=0.2, end_s=0.3, in_place_s=WAIT_S), warn=lambda m: None,
+                             exit=exit, unblock=unblocked.set)
+    watch = _thread(handoff.peer_lost)  # the heartbeat sees it first: it unblocks the main thread's collective
+    assert unblocked.wait(WAIT_S)
+    assert handoff.main_failed(dist.DistError("peer reset")) == Handled(in_place=True)
+    watch.join(WAIT_S)
+    assert not watch.is_alive() and save.owners == []
+    # past end_s: the watchdog the watch thread armed was disarmed by the main thread, and nothing ends the process
+    assert not exit.called.wait(0.3 + 0.5) and exit.codes == []

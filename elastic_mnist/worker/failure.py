@@ -58,8 +58,18 @@ class Bounds:
         return cls(confirm_s=config.peer_timeout + 2, end_s=config.collective_timeout + SAVE_GRACE_S)
 
 
-IN_PLACE = "kept in memory"
-"""What main_failed returns when the round ends in place: no save, no exit; the process goes on to the next."""
+@dataclass(frozen=True)
+class Handled:
+    """How this rank's round ended on a peer's loss (main_failed's answer when it was one)."""
+
+    in_place: bool
+    """the round ends in memory: nothing saved, no exit; this process goes on to the next round"""
+    saved: str = ""
+    """where the last completed step was saved (the process then exits for torchrun to restart)"""
+
+
+IN_PLACE = Handled(in_place=True)
+_MAIN, _WATCH, _KEPT = "main", "watch", "kept"  # who owns the loss (the handoff's claim)
 
 
 class FailureHandoff:
@@ -83,22 +93,23 @@ class FailureHandoff:
         self.exit_code: int | None = None
 
     # -- the two threads ---------------------------------------------------------------------------
-    def main_failed(self, error: BaseException) -> str | None:
-        """Main thread, a collective raised: where the last completed step was saved, or None when the
-        error is not a peer's loss (a bug: the caller re-raises). Does not return when the watch thread
-        owns the save: that one ends the process (or the watchdog does)."""
+    def main_failed(self, error: BaseException) -> Handled | None:
+        """Main thread, a collective raised: the round ended in memory, or where the last completed step was
+        saved; None when the error is not a peer's loss (a bug: the caller re-raises). Does not return when
+        the watch thread owns the save: that one ends the process (or the watchdog does)."""
         self._main_failing.set()  # from here on the watch thread stands by
         if not (isinstance(error, (dist.DistError, RoundAbandoned)) or
                 self._witness.confirms_peer_loss(self.bounds.confirm_s)):
             return None
-        if self._unblock is not None and self._claim(IN_PLACE):
+        if self._unblock is not None and self._claim(_KEPT):
             self._disarm()
             return IN_PLACE
         self._arm()
-        if not self._claim("main"):
+        if not self._claim(_MAIN):
             self._stand_by()
             return None  # reached only with an injected exit that returns
-        return self._run_save("main")
+        where = self._run_save(_MAIN)
+        return None if where is None else Handled(in_place=False, saved=where)
 
     def peer_lost(self) -> None:
         """Peer-watch thread, the heartbeat failed: abort the data group where that unblocks it (NCCL),
@@ -110,9 +121,9 @@ class FailureHandoff:
             self._unblock()
             if self._main_failing.wait(self.bounds.in_place_s):
                 return  # the main thread ends the round in memory
-        if self._main_failing.wait(self.bounds.takeover_s) or not self._claim("watch"):
+        if self._main_failing.wait(self.bounds.takeover_s) or not self._claim(_WATCH):
             return  # the main thread owns the save; the watchdog bounds it
-        if self._run_save("watch") is not None:
+        if self._run_save(_WATCH) is not None:
             self._end(exit_codes.RESTART)
 
     # -- the parts ---------------------------------------------------------------------------------
@@ -137,7 +148,7 @@ class FailureHandoff:
     def _arm(self) -> None:
         """Start the watchdog once, at the first sign of the loss on either thread."""
         with self._lock:
-            if self._watchdog is not None or self._owner == IN_PLACE:
+            if self._watchdog is not None or self._owner == _KEPT:
                 return
             self._deadline = time.monotonic() + self.bounds.end_s
             self._watchdog = threading.Timer(self.bounds.end_s, self._expire)

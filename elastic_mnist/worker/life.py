@@ -49,7 +49,6 @@ from elastic_mnist.worker.build import Process, build_process, build_round
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.control import threads_ended as control_threads_ended
 from elastic_mnist.worker.devicefault import device_fault
-from elastic_mnist.worker.failure import IN_PLACE
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.phase import Phase
 from elastic_mnist.worker.stop import StopRequest
@@ -168,11 +167,11 @@ class Life:
             fault = device_fault(e)
             if fault:  # this node's GPU: no peer was lost, and its CUDA context can save nothing any more
                 raise NodeLocalError(fault) from e
-            where = trainer.handle_failure(e) if trainer.world_size > 1 else None
-            if where is None:
+            handled = trainer.handle_failure(e) if trainer.world_size > 1 else None
+            if handled is None:
                 raise
             step = trainer.progress.step
-            if where == IN_PLACE:
+            if handled.in_place:
                 trainer.checkpoints.rollback()  # a device that ran ahead goes back to the last agreed step
                 self.proc.held = trainer.checkpoints.held()
                 trainer.metrics.event("collective_failed", step=self.proc.held.step, in_place=True)
@@ -180,7 +179,7 @@ class Life:
                                      f"of step {self.proc.held.step} kept in memory for the next round")
                 return Ending(exit_codes.RESTART, goes_on=True, lost=True)
             trainer.metrics.warn(f"collective failed at step {step} (a peer died or froze): {_first(e)}; state "
-                                 f"saved ({where}); exiting for torchrun to restart")
+                                 f"saved ({handled.saved}); exiting for torchrun to restart")
             return Ending(exit_codes.RESTART, goes_on=False)
         if trainer.stopped_early:
             self.proc.held = trainer.checkpoints.held()

@@ -24,7 +24,7 @@ from elastic_mnist.runlog import RunLog
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import Progress
 from elastic_mnist.worker.control import ControlPlane
-from elastic_mnist.worker.failure import Bounds, FailureHandoff
+from elastic_mnist.worker.failure import Bounds, FailureHandoff, Handled
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.parallel import DataParallel
 from elastic_mnist.worker.step import ScalerState, StepMath
@@ -195,9 +195,9 @@ class Trainer:
         return result
 
     # -- a lost peer -------------------------------------------------------------------------------
-    def handle_failure(self, error: BaseException) -> str | None:
-        """Main thread, a collective raised: if a peer is gone, save the last completed step and say
-        where it went; None when the error is not a peer's loss (a bug: the caller re-raises)."""
+    def handle_failure(self, error: BaseException) -> Handled | None:
+        """Main thread, a collective raised: if a peer is gone, end the round in memory or save the last
+        completed step (worker/failure.py); None when the error is not a peer's loss (a bug: the caller re-raises)."""
         if isinstance(error, dist.DistError):
             self.control.alarm()  # ranks whose collectives do not touch the lost peer learn it now
         return self.failure.main_failed(error)
