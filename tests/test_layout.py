@@ -328,6 +328,51 @@ def test_a_variable_spelled_outside_contract_is_found(tmp_path):
     assert env_names_spelled(tmp_path / "elastic_mnist") == ["elastic_mnist/a.py:3", "elastic_mnist/a.py:4"]
 
 
+def warm_messages_by_hand(package: Path = PACKAGE) -> list[str]:
+    """The warm wire read or written as dicts outside contract/warm.py: in warm/, a dict keyed by a message's kind
+    or a kind looked up (x["end"], x.get("end"), "end" in x); anywhere, a request built by hand (a dict with
+    three or more of its fields)."""
+    from dataclasses import fields
+
+    from elastic_mnist.contract import warm
+
+    kinds, request = set(warm.MESSAGE_KINDS), {f.name for f in fields(warm.Request)}
+
+    def key(node) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if "contract" in path.relative_to(package).parts:
+            continue
+        in_warm, where = path.relative_to(package).parts[0] == "warm", f"{path.relative_to(package.parent)}"
+        for n in ast.walk(ast.parse(path.read_text())):
+            keys = [key(k) for k in n.keys] if isinstance(n, ast.Dict) else []
+            looked = (key(n.slice) if isinstance(n, ast.Subscript) else key(n.args[0]) if isinstance(n, ast.Call)
+                      and getattr(n.func, "attr", "") == "get" and n.args else key(n.left) if isinstance(n, ast.Compare)
+                      and isinstance(n.ops[0], ast.In) else None)
+            if len(request.intersection(keys)) >= 3:
+                found.append(f"{where}:{n.lineno}: a request built by hand")
+            elif in_warm and (kinds.intersection(keys) or looked in kinds):
+                found.append(f"{where}:{n.lineno}: {ast.unparse(n)[:60]}")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1])))
+
+
+def test_the_warm_wire_is_typed_in_contract_only():
+    assert warm_messages_by_hand() == []
+
+
+def test_a_message_or_request_by_hand_is_found(tmp_path):
+    (tmp_path / "elastic_mnist" / "warm").mkdir(parents=True)
+    (tmp_path / "elastic_mnist" / "warm" / "a.py").write_text(
+        'send({"detach": 0})\nif "end" in m:\n    m.get("refused")\nx = m["pid"]\nrecord = {"pid": 1}.get("rank")\n')
+    (tmp_path / "elastic_mnist" / "b.py").write_text('r = {"exe": 1, "argv": [], "cwd": "/"}\nrecord = {"pid": 1}\n')
+    assert warm_messages_by_hand(tmp_path / "elastic_mnist") == [
+        "elastic_mnist/b.py:1: a request built by hand", "elastic_mnist/warm/a.py:1: {'detach': 0}",
+        "elastic_mnist/warm/a.py:2: 'end' in m", "elastic_mnist/warm/a.py:3: m.get('refused')",
+        "elastic_mnist/warm/a.py:4: m['pid']", "elastic_mnist/warm/a.py:5: {'pid': 1}"]
+
+
 def _climbs(run) -> dict[tuple[str, str], int]:
     """Every call, while run() runs, from a function of the package into one of a room on a higher floor (a
     callback or an object handed down): (caller, callee) -> calls. Torch's frames in between are skipped."""

@@ -120,22 +120,25 @@ def test_the_child_dies_with_its_stand_in(warm, script):
 
 
 ASK = textwrap.dedent("""
-    import json, os, socket, sys
+    import json, os, socket, struct, sys
     from elastic_mnist.contract.env import WARM_TOKEN_ENV
+    from elastic_mnist.contract.warm import encode
     from elastic_mnist.warm import _wire
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(sys.argv[1])
     raw = sys.stdin.buffer.read()
     if sys.argv[2] == "json":  # as a stand-in of the agent sends it: with the token its environment holds
         raw = json.dumps({"token": os.environ.get(WARM_TOKEN_ENV, "")} | json.loads(raw)).encode()
-    if sys.argv[2] == "raw":  # bytes as they are, with the stand-in's descriptors
-        socket.send_fds(sock, [raw[:4]], list(_wire.STDIO))
+    if sys.argv[2] != "raw":  # a JSON object as it is (well formed or not), framed as the wire frames it
+        raw = struct.pack("!I", len(raw)) + raw
+    try:  # a stranger is refused (and its connection closed) as it connects: its sending may fail
+        socket.send_fds(sock, [raw[:4]], list(_wire.STDIO))  # with the stand-in's descriptors
         if raw[4:]:  # (a head the server refuses at once is answered before more could be sent)
             sock.sendall(raw[4:])
-    else:
-        _wire.send(sock, json.loads(raw), _wire.STDIO)
+    except OSError:
+        pass
     try:
-        print(json.dumps(_wire.receive(sock)[0]))
+        print(json.dumps(encode(_wire.receive(sock)[0])))
     except EOFError:
         print("{}")
 """)
@@ -152,7 +155,7 @@ def _ask(env: dict, request, raw: bool = False) -> dict:
 
 
 def test_the_server_refuses_another_interpreter(warm):
-    request = _wire.request_from_here((), 0.0, {}) | {"exe": "/usr/bin/python9", "version": "9"}
+    request = _wire.request_from_here((), 0.0, {}).to_json() | {"exe": "/usr/bin/python9", "version": "9"}
     assert "python9" in _ask(warm, request)["refused"]
 
 
@@ -209,7 +212,7 @@ def test_a_node_waits_for_its_import_only_when_it_joins_a_running_job():
 ])
 def test_a_malformed_request_gets_one_line_and_the_server_goes_on(warm, script, raw, why):
     assert why in _ask(warm, raw, raw=True)["refused"]
-    good = _wire.request_from_here((), 0.0, {})
+    good = _wire.request_from_here((), 0.0, {}).to_json()
     missing = {k: v for k, v in good.items() if k != "env"}
     assert _ask(warm, missing)["refused"].startswith("malformed request: 'env'")
     proc = _start(script, warm, "exit", "0")
@@ -221,13 +224,13 @@ def test_only_the_agents_own_workers_are_served_on_a_private_socket(warm):
     assert os.stat(os.path.dirname(address)).st_mode & 0o777 == 0o700 and stat.S_ISSOCK(os.stat(address).st_mode)
     # A grandchild of the agent (the shell stays its parent) is no worker of it: another program of this user.
     done = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" "$1" json; true', ASK, address],
-                          input=json.dumps(_wire.request_from_here((), 0.0, {})).encode(), capture_output=True,
-                          timeout=60, env=procs.child_env())
+                          input=json.dumps(_wire.request_from_here((), 0.0, {}).to_json()).encode(),
+                          capture_output=True, timeout=60, env=procs.child_env())
     assert "is not a worker of this agent" in json.loads(done.stdout)["refused"], done.stderr
 
 
 def test_a_fork_that_cannot_take_the_stand_ins_settings_makes_it_start_cold(warm):
-    request = _wire.request_from_here((), 0.0, settings.capture())
+    request = _wire.request_from_here((), 0.0, settings.capture()).to_json()
     request["settings"]["affinity"] = [8191]  # no such CPU here
     assert "cannot take the worker's process settings over" in _ask(warm, request)["refused"]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -28,13 +30,14 @@ COLD = "elastic-mnist warm start: starting cold: "
 STAND_IN = textwrap.dedent("""
     import json, os, sys
     from elastic_mnist.contract.env import WARM_TOKEN_ENV
-    from elastic_mnist.warm import _wire, handoff
-    real = _wire.request_from_here
-    def changed(*args):
-        r = real(*args)
+    from elastic_mnist.contract.warm import Request
+    from elastic_mnist.warm import handoff
+    real = Request.to_json
+    def changed(self):
+        r = real(self)
         exec(sys.argv[1], {"r": r})
         return r
-    _wire.request_from_here = changed
+    Request.to_json = changed
     handoff()
     print(json.dumps({"pid": os.getpid(), "warm": "ELASTIC_MNIST_STARTED_AT" in os.environ,
                       "token": os.environ.get(WARM_TOKEN_ENV)}), flush=True)
@@ -221,9 +224,9 @@ def test_the_modules_a_script_names_for_its_warm_process_are_read_from_its_sourc
 
     script = tmp_path / "job.py"
     script.write_text("from elastic_mnist.warm import handoff\nhandoff(preload=('torch', 'json'))\nimport torch\n")
-    assert request_for(WorkerPlan({"path": str(script)}, [], str(tmp_path), 1), 0)["preload"] == ["torch", "json"]
+    assert request_for(WorkerPlan({"path": str(script)}, [], str(tmp_path), 1), 0).preload == ["torch", "json"]
     (tmp_path / "plain.py").write_text("import torch\n")
-    assert request_for(WorkerPlan({"path": str(tmp_path / "plain.py")}, [], str(tmp_path), 1), 0)["preload"] == []
+    assert request_for(WorkerPlan({"path": str(tmp_path / "plain.py")}, [], str(tmp_path), 1), 0).preload == []
 
 
 def test_a_request_is_read_piece_by_piece_and_refused_at_its_deadline(monkeypatch):
@@ -256,3 +259,24 @@ def test_a_request_is_read_piece_by_piece_and_refused_at_its_deadline(monkeypatc
         for pair in pairs:
             pair[0].close()
             pair[1].close()
+
+
+def test_every_message_crosses_the_wire_as_itself_and_anything_else_is_one_error():
+    from elastic_mnist.contract import warm
+
+    request = _wire.request_from_here((), 0.0, {})
+    sent = [warm.Pid(7), warm.Exit(-9), warm.Refused("no"), warm.Applied(), warm.Ready(), warm.Attach(request),
+            warm.Attached(), warm.Detach(0), warm.End("its agent ends")]
+    assert {type(m) for m in sent} == set(warm.Message.__args__), "one of each kind"
+    a, b = socket.socketpair()
+    with a, b:
+        for message in sent:
+            assert _wire.send(a, message)
+            assert _wire.receive(b) == (message, [])
+        for bad, why in [({"pid": "7"}, "not a int"), ({"applied": 1}, "with a value"),
+                         ({"pid": 1, "exit": 0}, "one key"), ({"sudo": True}, "unknown kind"),
+                         ({"attach": {"exe": 1}}, "'exe' missing or not a str")]:
+            body = json.dumps(bad).encode()
+            a.sendall(struct.pack("!I", len(body)) + body)
+            with pytest.raises(_wire.WireError, match=why):
+                _wire.receive(b)

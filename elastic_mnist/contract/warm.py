@@ -1,5 +1,6 @@
 """How a torchrun agent starts its warm process and hears from it: the module it runs, where it listens, the
-progress marks it writes, and the worker it may build before its round (WorkerPlan).
+progress marks it writes, and the worker it may build before its round (WorkerPlan); and the messages the warm
+process, the stand-ins and the workers it forked say to each other (warm/_wire.py frames them).
 
     python -c "from elastic_mnist.contract.warm import WorkerPlan; print(WorkerPlan({'module': 'm'}, [], '/', 1))"
 
@@ -9,7 +10,7 @@ The agent's side is rendezvous/_warm_start.py, the warm process's warm/server.py
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 SERVER_MODULE = "elastic_mnist.warm.server"  # `python -m` this, with the flags warm/server.py declares
 TRAIN_MODULE = "elastic_mnist.train"  # the package's own worker: its flags can be checked before it starts
@@ -41,3 +42,154 @@ class WorkerPlan:
     @classmethod
     def from_json(cls, data: dict) -> WorkerPlan:
         return cls(dict(data["target"]), list(data["args"]), str(data["cwd"]), int(data["local_world_size"]))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a stand-in sends first: the worker torchrun started it as, all a fork of the warm process needs to
+    become that worker (warm/become.py). warm/_wire.py checks the values before anything is forked."""
+
+    exe: str
+    """sys.executable: the warm process serves its own interpreter only"""
+    version: str
+    argv: list
+    path: list
+    """sys.path"""
+    cwd: str
+    env: dict
+    target: dict
+    """{"module": name} or {"path": absolute script path}"""
+    preload: list
+    """modules its script names in handoff(preload=...)"""
+    started: float
+    """time.time() when the stand-in started"""
+    unbuffered: bool
+    settings: dict
+    """its process settings (warm/settings.py); {} for a worker built before its round"""
+    token: str = ""
+    """the agent's token, carried by its stand-ins only (never by a kept worker's Attach)"""
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        if not self.token:
+            del data["token"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> Request:
+        """The request a JSON object holds; ValueError naming the first field missing or of another type."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        values = {}
+        for f in fields(cls):
+            kind = _TYPES[f.type]
+            value = data.get(f.name, "" if f.name == "token" else None)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ValueError(f"{f.name!r} missing or not a {getattr(kind, '__name__', 'number')}")
+            values[f.name] = value
+        return cls(**values)
+
+    @staticmethod
+    def take_token(data: object) -> str:
+        """The token a request's JSON object carries ("" if none), taken out of it: checked before anything
+        else of the request is read, and never handed on (a kept worker's Attach carries none)."""
+        return str(data.pop("token", "")) if isinstance(data, dict) else ""
+
+
+_TYPES = {"str": str, "list": list, "dict": dict, "float": (int, float), "bool": bool}
+
+
+# The warm wire's messages. On the wire each is a JSON object with one key, its kind, whose value is the one
+# field (true for those without one): {"pid": 123}, {"applied": true}. A stand-in first sends its request (a
+# JSON object of its own, warm/_wire.py), then hears Pid, Exit or Refused.
+@dataclass(frozen=True)
+class Pid:
+    """warm process to stand-in: this worker takes your round; wait for its Exit."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exit:
+    """warm process to stand-in: exit with this code (the worker's, or its Detach's: the round is over)."""
+
+    code: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """No: to a stand-in, start cold (and say why); from a worker, it cannot take the settings or the round."""
+
+    why: str
+
+
+# A forked worker's side of its socketpair with the warm process:
+@dataclass(frozen=True)
+class Applied:
+    """worker to warm process: the stand-in's process settings hold; its round may start."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """worker to warm process: built before its round (a joiner's agent may join now)."""
+
+
+@dataclass(frozen=True)
+class Attach:
+    """warm process to a kept worker: take this stand-in's round (its descriptors come with the message)."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class Attached:
+    """kept worker to warm process: it took the round."""
+
+
+@dataclass(frozen=True)
+class Detach:
+    """worker to warm process: the round is over, its stand-in exits with `code`; the worker stays."""
+
+    code: int
+
+
+@dataclass(frozen=True)
+class End:
+    """warm process to worker: its agent ends; save what it holds and exit."""
+
+    why: str
+
+
+Message = Pid | Exit | Refused | Applied | Ready | Attach | Attached | Detach | End
+_KINDS: dict[str, type] = {"pid": Pid, "exit": Exit, "refused": Refused, "applied": Applied, "ready": Ready,
+                           "attach": Attach, "attached": Attached, "detach": Detach, "end": End}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+MESSAGE_KINDS = tuple(_KINDS)
+
+
+def encode(message: Message) -> dict:
+    """The JSON object of a message."""
+    values = [getattr(message, f.name) for f in fields(message)]
+    value = values[0].to_json() if isinstance(message, Attach) else values[0] if values else True
+    return {_KIND_OF[type(message)]: value}
+
+
+def decode(data: object) -> Message:
+    """The message a JSON object is; ValueError naming what is wrong with anything else."""
+    if not isinstance(data, dict) or len(data) != 1:
+        raise ValueError("a message that is not a JSON object with one key")
+    (kind, value), = data.items()
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"a message of unknown kind {kind[:40]!r}")
+    (field, *_rest) = fields(cls) or (None,)
+    if field is None:
+        if value is not True:
+            raise ValueError(f"a {kind!r} message with a value")
+        return cls()
+    if cls is Attach:
+        return Attach(Request.from_json(value))
+    want = {"int": int, "str": str}[field.type]
+    if not isinstance(value, want) or isinstance(value, bool):
+        raise ValueError(f"a {kind!r} message whose value is not a {want.__name__}")
+    return cls(value)

@@ -1,15 +1,15 @@
 """What the agent's warm process, the workers' stand-ins and its forked workers say to each other.
 
-    python -c "from elastic_mnist.warm import _wire; print(_wire.check_request({}))"
+    python -c "from elastic_mnist.warm import _wire; print(_wire.parse_request({}))"
 
-Every message is a 4-byte length and JSON; descriptors (SCM_RIGHTS) ride with the length.
+Every message is a 4-byte length and JSON; descriptors (SCM_RIGHTS) ride with the length. The messages are
+contract/warm.py's (Pid, Exit, Refused, Applied, Ready, Attach, Attached, Detach, End), encoded there.
 - A stand-in sends one request (`request_from_here`: its command, environment, directory, process settings)
-  with its stdin/stdout/stderr, and gets back {"pid": N} (or {"refused": why}: it starts cold), later
-  {"exit": CODE}.
-- The warm process and each worker it forked share a socketpair made at the fork: {"applied"} or
-  {"refused": why} (the worker's process settings, at once); {"ready"} (a worker started before its round
-  has built what it trains); {"attach": request} with the stand-in's descriptors, answered {"attached"} or
-  {"refused": why}; {"detach": code} (the round is over, the worker stays); {"end": why} (its agent ends).
+  with its stdin/stdout/stderr, and gets back Pid (or Refused: it starts cold), later Exit.
+- The warm process and each worker it forked share a socketpair made at the fork: Applied or Refused (the
+  worker's process settings, at once); Ready (a worker started before its round has built what it trains);
+  Attach with the stand-in's descriptors, answered Attached or Refused; Detach (the round is over, the
+  worker stays); End (its agent ends).
 The socket is a path in the agent's private directory (0700, agent_link.py), and the warm process serves
 only its own user's processes that are children of its agent (SO_PEERCRED) and whose request carries the
 token its agent handed its workers (WARM_TOKEN_ENV; a re-parented orphan of an agent that is PID 1 has none):
@@ -25,6 +25,7 @@ import socket
 import struct
 import sys
 
+from elastic_mnist.contract.warm import Message, Request, decode, encode
 from elastic_mnist.warm import settings
 
 STDIO = (0, 1, 2)
@@ -37,9 +38,18 @@ class WireError(ValueError):
     """A message that is short, too long, or not the JSON object the protocol says."""
 
 
-def send(sock: socket.socket, message: dict, fds: tuple[int, ...] | list[int] = ()) -> bool:
+def send(sock: socket.socket, message: Message, fds: tuple[int, ...] | list[int] = ()) -> bool:
     """False when the other side is gone."""
-    payload = json.dumps(message).encode()
+    return _send_json(sock, encode(message), fds)
+
+
+def send_request(sock: socket.socket, request: Request, fds: tuple[int, ...] | list[int] = ()) -> bool:
+    """A stand-in's request, the one thing it sends (False when the warm process is gone)."""
+    return _send_json(sock, request.to_json(), fds)
+
+
+def _send_json(sock: socket.socket, data: dict, fds: tuple[int, ...] | list[int]) -> bool:
+    payload = json.dumps(data).encode()
     try:
         socket.send_fds(sock, [_LEN.pack(len(payload))], list(fds))
         sock.sendall(payload)
@@ -48,7 +58,7 @@ def send(sock: socket.socket, message: dict, fds: tuple[int, ...] | list[int] = 
         return False
 
 
-def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
+def receive(sock: socket.socket, max_fds: int = 0) -> tuple[Message, list[int]]:
     """One message and the descriptors that came with it (the caller owns them); EOFError when the other
     side closed, WireError for anything else than a message of the protocol (descriptors closed)."""
     head, fds, _flags, _addr = socket.recv_fds(sock, _LEN.size, max_fds)
@@ -57,10 +67,7 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict, list[int]]:
     try:
         if len(head) != _LEN.size:
             raise WireError("a short message")
-        message = json.loads(_recv_exact(sock, message_size(head)))
-        if not isinstance(message, dict):
-            raise WireError("a message that is not a JSON object")
-        return message, fds
+        return decode(json.loads(_recv_exact(sock, message_size(head)))), fds
     except (WireError, ValueError, OSError) as e:
         for fd in fds:
             os.close(fd)
@@ -86,56 +93,55 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-# What a request must hold, and as what: a request is refused with one line naming the first field that is
-# missing, of another type or out of range, never with a traceback in the warm process or in a fork of it.
-_FIELDS = {"exe": str, "version": str, "argv": list, "path": list, "cwd": str, "env": dict, "target": dict,
-           "preload": list, "started": (int, float), "unbuffered": bool, "settings": dict}
+def parse_request(data: object) -> tuple[Request | None, str]:
+    """(the request, "") when `data` is one a stand-in sends (types, keys and values), else (None, what is wrong
+    with it), one line: never a traceback in the warm process or in a fork of it. Everything a fork would act
+    on is checked here, before anything is forked."""
+    try:
+        request = Request.from_json(data)
+    except ValueError as e:
+        return None, f"malformed request: {e}"
+    why = check_request(request)
+    return (None, why) if why else (request, "")
 
 
-def check_request(request: dict) -> str:
-    """"" when the request has the form a stand-in sends (types, keys and values), else what is wrong with it.
-    Everything a fork would act on is checked here, before anything is forked."""
-    if not isinstance(request, dict):
-        return "malformed request: not a JSON object"
-    for name, kind in _FIELDS.items():
-        value = request.get(name)
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            return f"malformed request: {name!r} missing or not a {getattr(kind, '__name__', 'number')}"
+def check_request(request: Request) -> str:
+    """"" when the values of a request (its types are the dataclass's) are ones a fork can act on."""
     why = _check_values(request)
-    if not why and request["settings"]:
-        why = settings.check(request["settings"])
+    if not why and request.settings:
+        why = settings.check(request.settings)
     return f"malformed request: {why}" if why else ""
 
 
-def _check_values(request: dict) -> str:
-    target = request["target"]
+def _check_values(request: Request) -> str:
+    target = request.target
     if not ((isinstance(target.get("module"), str) and target["module"])
             or (isinstance(target.get("path"), str) and os.path.isabs(target["path"]))):
         return "'target' names no module and no absolute path"
     for name in ("argv", "path", "preload"):
-        if not all(isinstance(x, str) and "\0" not in x for x in request[name]):
+        if not all(isinstance(x, str) and "\0" not in x for x in getattr(request, name)):
             return f"{name!r} holds something other than strings"
-    if not request["argv"]:
+    if not request.argv:
         return "'argv' is empty"
     if not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
-               for k, v in request["env"].items()):
+               for k, v in request.env.items()):
         return "'env' holds something other than NAME=VALUE strings"
-    if not (os.path.isabs(request["cwd"]) and os.path.isdir(request["cwd"])):
-        return f"'cwd' {request['cwd'][:200]!r} is not an existing directory"
-    if not (math.isfinite(request["started"]) and request["started"] >= 0):
-        return f"'started' {request['started']!r} is not a time"
+    if not (os.path.isabs(request.cwd) and os.path.isdir(request.cwd)):
+        return f"'cwd' {request.cwd[:200]!r} is not an existing directory"
+    if not (math.isfinite(request.started) and request.started >= 0):
+        return f"'started' {request.started!r} is not a time"
     return ""
 
 
-def request_from_here(preload: tuple[str, ...], started: float, process_settings: dict) -> dict:
+def request_from_here(preload: tuple[str, ...], started: float, process_settings: dict) -> Request:
     """This process's command as a request: what a warm child needs to become it."""
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     target = {"module": spec.name} if spec is not None else {"path": os.path.abspath(main.__file__)}
-    return {"exe": sys.executable, "version": sys.version, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(),
-            "env": dict(os.environ), "target": target, "preload": list(preload), "started": started,
-            "unbuffered": bool(getattr(sys.stdout, "write_through", False)),  # python -u, or $PYTHONUNBUFFERED
-            "settings": process_settings}
+    return Request(exe=sys.executable, version=sys.version, argv=list(sys.argv), path=list(sys.path), cwd=os.getcwd(),
+                   env=dict(os.environ), target=target, preload=list(preload), started=started,
+                   unbuffered=bool(getattr(sys.stdout, "write_through", False)),  # python -u, $PYTHONUNBUFFERED
+                   settings=process_settings)
 
 
 def peer(sock: socket.socket) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import os
 import sys
 
 from elastic_mnist.contract.env import PREFIX, set_started_at
+from elastic_mnist.contract.warm import Request
 from elastic_mnist.warm import _wire, settings
 
 _REPLACED: list = []  # the interpreter's own stdio objects: kept, because collecting one would close fd 0/1/2
@@ -22,9 +23,9 @@ ROUND_ENV = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "WORLD
              "TORCH_NCCL_", "NCCL_ASYNC_ERROR_HANDLING", PREFIX, "CUDA_MODULE_LOADING")
 
 
-def become(request: dict, fds: list[int]) -> str:
+def become(request: Request, fds: list[int]) -> str:
     """Take the request over in this process; "" when done, else why not (nothing was changed then)."""
-    refused = settings.apply(request["settings"]) if request["settings"] else ""
+    refused = settings.apply(request.settings) if request.settings else ""
     if refused:
         for fd in fds:
             os.close(fd)
@@ -35,13 +36,13 @@ def become(request: dict, fds: list[int]) -> str:
         os.dup2(fd, target)
         os.close(fd)
     if fds:
-        _reopen_stdio(bool(request.get("unbuffered")))
+        _reopen_stdio(request.unbuffered)
     os.environ.clear()
-    os.environ.update(request["env"])
-    set_started_at(os.environ, request["started"])
-    os.chdir(request["cwd"])
-    sys.path[:] = request["path"]
-    sys.argv[:] = request["argv"]
+    os.environ.update(request.env)
+    set_started_at(os.environ, request.started)
+    os.chdir(request.cwd)
+    sys.path[:] = request.path
+    sys.argv[:] = request.argv
     _match_threads(os.environ)
     return ""
 
@@ -55,13 +56,13 @@ def let_go_of_stdio() -> None:
         _reopen_stdio(unbuffered=True)
 
 
-def differences(built: dict, now: dict) -> str:
+def differences(built: Request, now: Request) -> str:
     """What makes a round's request another worker than the one built from `built` ("" when none)."""
     same = ("exe", "version", "target", "cwd")
-    changed = [k for k in same if built.get(k) != now.get(k)]
-    if built.get("argv", [])[1:] != now.get("argv", [])[1:]:
+    changed = [k for k in same if getattr(built, k) != getattr(now, k)]
+    if built.argv[1:] != now.argv[1:]:
         changed.append("arguments")
-    a, b = _fixed_env(built.get("env", {})), _fixed_env(now.get("env", {}))
+    a, b = _fixed_env(built.env), _fixed_env(now.env)
     changed += sorted(f"${k}" for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     return ", ".join(changed)
 

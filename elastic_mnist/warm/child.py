@@ -14,6 +14,7 @@ import socket
 import sys
 
 from elastic_mnist import procs
+from elastic_mnist.contract.warm import Applied, Refused, Request
 from elastic_mnist.warm import _wire, kept
 from elastic_mnist.warm.become import become
 
@@ -21,7 +22,7 @@ _RESET = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
 
 
 class Job:
-    def __init__(self, request: dict, fds: list[int], channel: socket.socket, server_pid: int,
+    def __init__(self, request: Request, fds: list[int], channel: socket.socket, server_pid: int,
                  in_place: bool) -> None:
         self.request, self.fds, self.channel = request, fds, channel
         self.server_pid, self.in_place = server_pid, in_place
@@ -36,11 +37,11 @@ class Job:
         procs.set_parent_death_signal(signal.SIGHUP, parent=self.server_pid)
         refused = become(self.request, self.fds)
         if refused:  # its stand-in starts cold, and says why
-            _wire.send(self.channel, {"refused": refused})
+            _wire.send(self.channel, Refused(refused))
             os._exit(0)
-        _wire.send(self.channel, {"applied": True})
+        _wire.send(self.channel, Applied())
         kept.install(self.channel, self.request, attached=bool(self.fds), in_place=self.in_place)
-        target = self.request["target"]
+        target = self.request.target
         if "module" in target:
             runpy.run_module(target["module"], run_name="__main__", alter_sys=True)
         else:

@@ -15,6 +15,7 @@ import signal
 import socket
 from dataclasses import dataclass
 
+from elastic_mnist.contract.warm import Exit, Request
 from elastic_mnist.warm import _wire
 
 STARTING, BUILDING, IDLE, ATTACHING, RUNNING = "starting", "building", "idle", "attaching", "running"
@@ -31,7 +32,7 @@ class Worker:
     """It got as far as a round (or ready for one): an exit from here on is a worker's, not a build's."""
     stand_in: socket.socket | None = None
     """The connection of the stand-in this worker reports to (while starting, attaching or running)."""
-    handed: tuple[dict, list[int]] | None = None
+    handed: tuple[Request, list[int]] | None = None
     """While attaching: the stand-in's request and (the warm process's copies of) its descriptors, to fork a
     fresh worker for it if this one refuses the round."""
 
@@ -65,7 +66,7 @@ class Fleet:
         worker.stand_in = stand_in
         self.by_stand_in[stand_in.fileno()] = worker
 
-    def release(self, worker: Worker, report: dict | None = None) -> None:
+    def release(self, worker: Worker, report: Exit | None = None) -> None:
         """The worker is done with its stand-in: tell it `report` (its exit), and let it go."""
         conn, worker.stand_in = worker.stand_in, None
         if conn is None:

@@ -16,10 +16,12 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 
 from elastic_mnist import agent_link, procs
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.env import started_at, take_warm
+from elastic_mnist.contract.warm import Exit, Pid, Refused
 from elastic_mnist.warm import _wire, settings
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -81,25 +83,25 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     stand_in = _StandIn()
     procs.set_parent_death_signal(signal.SIGHUP)  # our agent dies: the child stops with its group and saves
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    first: dict = {}
+    first = None
     try:
         sock.settimeout(REPLY_TIMEOUT_S)
         sock.connect(address)
-        request = _wire.request_from_here(preload, started, settings.capture()) | {"token": token}
-        if _wire.send(sock, request, _wire.STDIO):
+        request = replace(_wire.request_from_here(preload, started, settings.capture()), token=token)
+        if _wire.send_request(sock, request, _wire.STDIO):
             first, _ = _wire.receive(sock)
     except (OSError, EOFError, _wire.WireError):
         pass
-    if "exit" in first:  # the worker built for this agent already ended on a configuration error, said once
-        _finish(int(first["exit"]), stand_in.signalled)
-    if "pid" not in first:
+    if isinstance(first, Exit):  # the worker built for this agent already ended on a configuration error
+        _finish(first.code, stand_in.signalled)
+    if not isinstance(first, Pid):
         sock.close()
         stand_in.give_back()
-        if first.get("refused"):
-            print(f"elastic-mnist warm start: starting cold: {first['refused']}", file=sys.stderr, flush=True)
+        if isinstance(first, Refused) and first.why:
+            print(f"elastic-mnist warm start: starting cold: {first.why}", file=sys.stderr, flush=True)
         return
     sock.settimeout(None)
-    stand_in.attach(int(first["pid"]))
+    stand_in.attach(first.pid)
     code = _wait(sock, stand_in.pidfd)
     _finish(code, stand_in.signalled)
 
@@ -107,14 +109,13 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
 def _wait(sock: socket.socket, pidfd: int) -> int:
     """The worker's exit status (a code, or minus the signal that ended it), or the code of its detach (an
     in-place round is over and the worker stays for the next)."""
-    message: dict = {}
-    while "exit" not in message:
+    while True:
         try:
             message, _ = _wire.receive(sock)
         except (OSError, EOFError, _wire.WireError):
             break
-    if "exit" in message:
-        return int(message["exit"])
+        if isinstance(message, Exit):
+            return message.code
     # The warm process is gone (its agent died): its child stops on its own (parent-death signal); be
     # there until it is gone, so the agent's view of this worker ends when the worker does.
     if pidfd >= 0:

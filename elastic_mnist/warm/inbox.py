@@ -17,6 +17,7 @@ import sys
 import time
 
 from elastic_mnist import procs
+from elastic_mnist.contract.warm import Refused, Request
 from elastic_mnist.warm import _wire
 
 REQUEST_TIMEOUT_S = 10.0  # a stand-in sends its request at once: microseconds
@@ -91,7 +92,7 @@ class Inbox:
             return None
         del self.reading[conn.fileno()]
         conn.setblocking(True)
-        if not (self.token and hmac.compare_digest(str(done[0].pop("token", "")).encode(), self.token)):
+        if not (self.token and hmac.compare_digest(Request.take_token(done[0]).encode(), self.token)):
             for fd in done[1]:
                 os.close(fd)
             raise Stranger(f"refused pid {reading.pid}: its request carries no token of this agent (a process the "
@@ -137,5 +138,5 @@ def turn_away(conn: socket.socket, error: Exception) -> None:
 def refuse(conn: socket.socket, why: str) -> None:
     """One line for the stand-in (it starts cold, saying it), and its connection closed."""
     conn.setblocking(True)
-    _wire.send(conn, {"refused": why})
+    _wire.send(conn, Refused(why))
     conn.close()

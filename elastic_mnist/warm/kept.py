@@ -19,6 +19,7 @@ import socket
 import time
 
 from elastic_mnist.contract.kept import hand_over
+from elastic_mnist.contract.warm import Attach, Attached, Detach, End, Ready, Refused, Request
 from elastic_mnist.warm import _wire
 from elastic_mnist.warm.become import become, differences, let_go_of_stdio
 
@@ -26,21 +27,21 @@ TICK_S = 0.2  # how often a waiting worker looks at its stop request (a signal's
 
 
 class Session:  # a contract.kept.KeptSession
-    def __init__(self, channel: socket.socket, request: dict, attached: bool) -> None:
+    def __init__(self, channel: socket.socket, request: Request, attached: bool) -> None:
         self.channel, self.request, self.attached = channel, request, attached
         self.built_from = request
         """The request this process was built for: a later round's must describe the same worker."""
 
     def ready(self) -> None:
         """Built before its round: the agent may join now."""
-        _wire.send(self.channel, {"ready": True})
+        _wire.send(self.channel, Ready())
 
     def detach(self, code: int) -> None:
         """The round is over: the stand-in exits with `code`; this process stays for the next round."""
         if self.attached:
             self.attached = False
             let_go_of_stdio()
-            _wire.send(self.channel, {"detach": code})
+            _wire.send(self.channel, Detach(code))
 
     def wait(self, timeout_s: float, stopped) -> tuple[str, str]:
         """Until the next round's stand-in is handed over ("attach", ""), the node ends ("end", why), a stop
@@ -57,14 +58,16 @@ class Session:  # a contract.kept.KeptSession
                 message, fds = _wire.receive(self.channel, len(_wire.STDIO))
             except (EOFError, _wire.WireError, OSError):
                 return "end", "the warm process is gone (its agent ended)"
-            if "end" in message:
-                return "end", str(message["end"])
-            if "attach" in message:
-                return self._attach(message["attach"], fds)
+            if isinstance(message, End):
+                return "end", message.why
+            if isinstance(message, Attach):
+                return self._attach(message.request, fds)
+            for fd in fds:  # nothing else comes with descriptors
+                os.close(fd)
         return "stop", ""
 
-    def _attach(self, request, fds: list[int]) -> tuple[str, str]:
-        why = _wire.check_request(request) if isinstance(request, dict) else "malformed request"
+    def _attach(self, request: Request, fds: list[int]) -> tuple[str, str]:
+        why = _wire.check_request(request)
         why = why or (f"the round's worker differs from the one built here ({changed})"
                       if (changed := differences(self.built_from, request)) else "")
         if why:
@@ -74,15 +77,15 @@ class Session:  # a contract.kept.KeptSession
         if why:
             return "refuse", why
         self.request, self.attached = request, True
-        _wire.send(self.channel, {"attached": True})
+        _wire.send(self.channel, Attached())
         return "attach", ""
 
     def refuse(self, why: str) -> None:
         """Say no to the stand-in just handed over (it is given a fresh worker); this process then exits."""
-        _wire.send(self.channel, {"refused": why})
+        _wire.send(self.channel, Refused(why))
 
 
-def install(channel: socket.socket, request: dict, attached: bool, in_place: bool) -> None:
+def install(channel: socket.socket, request: Request, attached: bool, in_place: bool) -> None:
     """At the fork: this process's session with its warm process (kept only with in-place rounds), handed over
     to the worker's code (contract/kept.py)."""
     hand_over(Session(channel, request, attached) if in_place else None)

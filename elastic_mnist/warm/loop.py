@@ -19,6 +19,7 @@ import socket
 import sys
 
 from elastic_mnist.contract import exit_codes
+from elastic_mnist.contract import warm as msg
 from elastic_mnist.contract.warm import FAILED, READY, WorkerPlan
 from elastic_mnist.warm import _wire, inbox, probe
 from elastic_mnist.warm.child import Job
@@ -99,32 +100,33 @@ class Server:
         self.selector.unregister(conn)
         return self._serve_request(conn, *done)
 
-    def _serve_request(self, conn: socket.socket, request: dict, fds: list[int]) -> Job | None:
+    def _serve_request(self, conn: socket.socket, data: dict, fds: list[int]) -> Job | None:
         if self.verdict is not None:
-            _wire.send(conn, {"exit": self.verdict})
+            _wire.send(conn, msg.Exit(self.verdict))
             _close(fds, conn)
             return None
         # A module the warm process has not imported is imported by the worker itself, after the fork: an
         # import here would hold every other stand-in of the node for as long as it takes.
-        refused = _wire.check_request(request) or self.preloads.refusal or self._refusal(request)
+        request, refused = _wire.parse_request(data)
+        refused = refused or self.preloads.refusal or self._refusal(request)
         if refused or inbox.gone(conn):
             _close(fds)
             inbox.refuse(conn, refused or "gone")
             return None
         return self._route(conn, request, fds)
 
-    def _refusal(self, request: dict) -> str:
-        if request["exe"] != sys.executable or request["version"] != sys.version:
-            return (f"the worker runs {request['exe']}, the agent's warm process {sys.executable}: "
+    def _refusal(self, request: msg.Request) -> str:
+        if request.exe != sys.executable or request.version != sys.version:
+            return (f"the worker runs {request.exe}, the agent's warm process {sys.executable}: "
                     "start torchrun with the workers' interpreter")
         return ""
 
-    def _route(self, conn: socket.socket, request: dict, fds: list[int]) -> Job | None:
-        local_rank = request["env"].get("LOCAL_RANK", "0")
+    def _route(self, conn: socket.socket, request: msg.Request, fds: list[int]) -> Job | None:
+        local_rank = request.env.get("LOCAL_RANK", "0")
         kept = self.fleet.kept_for(local_rank)
         if kept is None:
             return self._fork(request, fds, conn, local_rank)
-        if not _wire.send(kept.channel, {"attach": request}, fds):  # it is exiting: its pidfd says so soon
+        if not _wire.send(kept.channel, msg.Attach(request), fds):  # it is exiting: its pidfd says so soon
             return self._fork(request, fds, conn, local_rank)
         kept.state, kept.handed = ATTACHING, (request, fds)  # ours kept until it answers
         self.fleet.bind(kept, conn)
@@ -141,7 +143,7 @@ class Server:
             self.fleet.release(worker)
 
     # -- workers --------------------------------------------------------------------------------------
-    def _fork(self, request: dict, fds: list[int], conn: socket.socket | None, local_rank: str) -> Job | None:
+    def _fork(self, request: msg.Request, fds: list[int], conn: socket.socket | None, local_rank: str) -> Job | None:
         ours, theirs = socket.socketpair()
         server_pid = os.getpid()
         pid = os.fork()
@@ -166,20 +168,20 @@ class Server:
         except (EOFError, _wire.WireError, OSError):
             self.selector.unregister(worker.channel)  # it is ending: its pidfd reports the rest
             return None
-        expected = {STARTING: "applied", ATTACHING: "attached"}.get(worker.state)  # (a fork started before its
-        if expected and message.get(expected):  # round says "applied" too, to nobody: no stand-in waits for it)
+        expected = {STARTING: msg.Applied, ATTACHING: msg.Attached}.get(worker.state)  # (a fork started before its
+        if expected and isinstance(message, expected):  # round says Applied too, to nobody: no stand-in waits)
             worker.state, handed, worker.handed, worker.built = RUNNING, worker.handed, None, True
             _close(handed[1] if handed else [])
             if worker.stand_in is not None:
-                _wire.send(worker.stand_in, {"pid": worker.pid})
-        elif "refused" in message:
-            return self._refused(worker, str(message["refused"]))
-        elif message.get("ready"):
+                _wire.send(worker.stand_in, msg.Pid(worker.pid))
+        elif isinstance(message, msg.Refused):
+            return self._refused(worker, message.why)
+        elif isinstance(message, msg.Ready):
             worker.state, worker.built = (IDLE if worker.state == BUILDING else worker.state), True
             self._mark_ready()
-        elif "detach" in message:
+        elif isinstance(message, msg.Detach):
             self._unwatch(worker.stand_in)
-            self.fleet.release(worker, {"exit": int(message["detach"])})
+            self.fleet.release(worker, msg.Exit(message.code))
             worker.state = IDLE
         return None
 
@@ -193,7 +195,7 @@ class Server:
         if conn is None:
             return None
         if handed is None:
-            _wire.send(conn, {"refused": why})
+            _wire.send(conn, msg.Refused(why))
             conn.close()
             return None
         print(f"elastic-mnist warm start: the kept worker of local rank {worker.local_rank} left ({why}); a fresh "
@@ -220,11 +222,11 @@ class Server:
             self.fleet.by_stand_in.pop(conn.fileno(), None)
             self.fleet.remove(worker)
             if self.verdict is not None:
-                _wire.send(conn, {"exit": self.verdict})
+                _wire.send(conn, msg.Exit(self.verdict))
                 _close(fds, conn)
                 return None
             return self._fork(request, fds, conn, worker.local_rank)
-        self.fleet.release(worker, {"exit": code})
+        self.fleet.release(worker, msg.Exit(code))
         self.fleet.remove(worker)
         return None
 
@@ -267,7 +269,7 @@ class Server:
         self.selector.unregister(self.listener)
         self.listener.close()
         for worker in list(self.fleet.by_pidfd.values()):
-            _wire.send(worker.channel, {"end": why})
+            _wire.send(worker.channel, msg.End(why))
 
     def _close_in_child(self, conn: socket.socket | None) -> None:
         """A child keeps only its own channel: one holding another's (or a stand-in's connection) would hide

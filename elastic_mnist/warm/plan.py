@@ -2,7 +2,7 @@
 so that a node joining a running job makes it wait only for the process-group change.
 
     python -c "from elastic_mnist.contract.warm import WorkerPlan; from elastic_mnist.warm.plan import request_for; \
-print(request_for(WorkerPlan({'module': 'elastic_mnist.train'}, [], '.', 1), 0)['preload'])"
+print(request_for(WorkerPlan({'module': 'elastic_mnist.train'}, [], '.', 1), 0).preload)"
 
 A worker started before its round gets torchrun's environment without the round's part; the stand-in of its
 first round must then describe the same worker, or the worker is not used (become.differences).
@@ -17,10 +17,10 @@ import sys
 import time
 
 from elastic_mnist import files
-from elastic_mnist.contract.warm import WorkerPlan
+from elastic_mnist.contract.warm import Request, WorkerPlan
 
 
-def request_for(plan: WorkerPlan, local_rank: int, environ=os.environ) -> dict:
+def request_for(plan: WorkerPlan, local_rank: int, environ=os.environ) -> Request:
     """A stand-in's request for the worker of `local_rank`, before its round (no stdio, no settings)."""
     module = plan.target.get("module")
     if module is not None:
@@ -31,10 +31,9 @@ def request_for(plan: WorkerPlan, local_rank: int, environ=os.environ) -> dict:
     else:
         argv0, path0 = plan.target["path"], os.path.dirname(plan.target["path"])
     env = {**environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(plan.local_world_size)}
-    return {"exe": sys.executable, "version": sys.version, "argv": [argv0, *plan.args],
-            "path": [path0, *sys.path[1:]], "cwd": plan.cwd, "env": env, "target": plan.target,
-            "preload": list(declared_preload(argv0)), "started": time.time(), "unbuffered": True,
-            "settings": {}}
+    return Request(exe=sys.executable, version=sys.version, argv=[argv0, *plan.args], path=[path0, *sys.path[1:]],
+                   cwd=plan.cwd, env=env, target=plan.target, preload=list(declared_preload(argv0)),
+                   started=time.time(), unbuffered=True, settings={})
 
 
 _MAX_SCRIPT = 1 << 20

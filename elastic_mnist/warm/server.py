@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         server.control = socket.socket(fileno=args.control_fd)
         server.selector.register(server.control, selectors.EVENT_READ, "control")
     server.mark(LISTENING)
-    server.preloads.load([*BASE_PRELOAD, *args.preload, *(request_for(plan, 0)["preload"] if plan else ())])
+    server.preloads.load([*BASE_PRELOAD, *args.preload, *(request_for(plan, 0).preload if plan else ())])
     server.mark(WARM)
     job = server.prestart()
     if job is None and not server.fleet.building():
