@@ -295,9 +295,9 @@ KEPT = textwrap.dedent("""
             sys.exit(7)
         session.detach(5)
         what, why = session.wait(60, lambda: False)
-        if what != "attach":
-            open(sys.argv[1], "w").write(f"{what}: {why}")
-            if what == "refuse":
+        if what is not kept.Wake.ATTACH:
+            open(sys.argv[1], "w").write(f"{what.value}: {why}")
+            if what is kept.Wake.REFUSE:
                 session.refuse(why)
             sys.exit(0)
 """)

@@ -3,15 +3,24 @@ over at the fork: the worker (worker/life.py) sees only this interface, warm/kep
 
     torchrun --rdzv-backend=etcd-v3 ... -m elastic_mnist.train ...   # in_place=1 (the default): rounds in place
 
-What a session's `wait` answers: ("attach", "") the next round's stand-in was handed over; ("end", why) the
-node ends; ("stop", "") a stop signal came; ("timeout", "") none of those in time; ("refuse", why) the handed
-stand-in cannot be taken (the caller saves, then `refuse`s it and exits).
+A session's `wait` answers a Wake and a line saying why (where there is one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import Protocol
+
+
+class Wake(Enum):
+    """Why a kept worker's wait between rounds ended."""
+
+    ATTACH = "attach"  # the next round's stand-in was handed over: train it
+    END = "end"  # the node ends (its agent ends, or the warm process is gone): save and exit
+    STOP = "stop"  # a stop signal came
+    TIMEOUT = "timeout"  # no round within --round-timeout
+    REFUSE = "refuse"  # the handed stand-in cannot be taken: save, `refuse` it (it gets a fresh worker), exit
 
 
 class KeptSession(Protocol):
@@ -24,8 +33,8 @@ class KeptSession(Protocol):
     def detach(self, code: int) -> None:
         """The round is over: the stand-in exits with `code`; this process stays for the next round."""
 
-    def wait(self, timeout_s: float, stopped: Callable[[], bool]) -> tuple[str, str]:
-        """Until one of the answers above."""
+    def wait(self, timeout_s: float, stopped: Callable[[], bool]) -> tuple[Wake, str]:
+        """Until one of the Wakes, with its why ("" for ATTACH, STOP and TIMEOUT)."""
 
     def refuse(self, why: str) -> None:
         """Say no to the stand-in just handed over (it is given a fresh worker)."""

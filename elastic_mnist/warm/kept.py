@@ -18,7 +18,7 @@ import select
 import socket
 import time
 
-from elastic_mnist.contract.kept import hand_over
+from elastic_mnist.contract.kept import Wake, hand_over
 from elastic_mnist.contract.warm import Attach, Attached, Detach, End, Ready, Refused, Request
 from elastic_mnist.warm import _wire
 from elastic_mnist.warm.become import become, differences, let_go_of_stdio
@@ -43,30 +43,30 @@ class Session:  # a contract.kept.KeptSession
             let_go_of_stdio()
             _wire.send(self.channel, Detach(code))
 
-    def wait(self, timeout_s: float, stopped) -> tuple[str, str]:
-        """Until the next round's stand-in is handed over ("attach", ""), the node ends ("end", why), a stop
-        signal comes ("stop", ""), the warm process is gone ("end", ...) or `timeout_s` passes ("timeout", "").
-        An attach that this process cannot take is ("refuse", why): the caller saves, then `refuse(why)`s."""
+    def wait(self, timeout_s: float, stopped) -> tuple[Wake, str]:
+        """Until the next round's stand-in is handed over (ATTACH), the node ends (END, why), a stop signal
+        comes (STOP), the warm process is gone (END) or `timeout_s` passes (TIMEOUT). An attach that this
+        process cannot take is (REFUSE, why): the caller saves, then `refuse(why)`s."""
         deadline = time.monotonic() + timeout_s
         while not stopped():
             left = deadline - time.monotonic()
             if left <= 0:
-                return "timeout", ""
+                return Wake.TIMEOUT, ""
             if not select.select([self.channel], [], [], min(TICK_S, left))[0]:
                 continue
             try:
                 message, fds = _wire.receive(self.channel, len(_wire.STDIO))
             except (EOFError, _wire.WireError, OSError):
-                return "end", "the warm process is gone (its agent ended)"
+                return Wake.END, "the warm process is gone (its agent ended)"
             if isinstance(message, End):
-                return "end", message.why
+                return Wake.END, message.why
             if isinstance(message, Attach):
                 return self._attach(message.request, fds)
             for fd in fds:  # nothing else comes with descriptors
                 os.close(fd)
-        return "stop", ""
+        return Wake.STOP, ""
 
-    def _attach(self, request: Request, fds: list[int]) -> tuple[str, str]:
+    def _attach(self, request: Request, fds: list[int]) -> tuple[Wake, str]:
         why = _wire.check_request(request)
         why = why or (f"the round's worker differs from the one built here ({changed})"
                       if (changed := differences(self.built_from, request)) else "")
@@ -75,10 +75,10 @@ class Session:  # a contract.kept.KeptSession
                 os.close(fd)
         why = why or become(request, fds)
         if why:
-            return "refuse", why
+            return Wake.REFUSE, why
         self.request, self.attached = request, True
         _wire.send(self.channel, Attached())
-        return "attach", ""
+        return Wake.ATTACH, ""
 
     def refuse(self, why: str) -> None:
         """Say no to the stand-in just handed over (it is given a fresh worker); this process then exits."""

@@ -84,7 +84,7 @@ class Life:
         while True:
             if self.session is not None and not self.session.attached:
                 what, why = self.session.wait(self.config.round_timeout, lambda: self.stop.requested)
-                if what != "attach":
+                if what is not kept.Wake.ATTACH:
                     return self._node_end(what, why)
                 self.marks = {}
             self.phase = Phase.FORMING
@@ -216,14 +216,14 @@ class Life:
         self.session.detach(code)
         return code
 
-    def _node_end(self, what: str, why: str) -> int:
+    def _node_end(self, what: kept.Wake, why: str) -> int:
         """The node ends (its agent ends), a stop came between rounds, no round came in time, or the round's
         worker is another: what this process holds goes where a restart finds it, then it exits."""
-        reason = {"end": why, "stop": "its agent died (SIGHUP)",
-                  "timeout": f"no new round within --round-timeout {self.config.round_timeout:.0f}s",
-                  "refuse": f"it cannot serve this round ({why})"}[what]
+        reason = {kept.Wake.END: why, kept.Wake.STOP: "its agent died (SIGHUP)",
+                  kept.Wake.TIMEOUT: f"no new round within --round-timeout {self.config.round_timeout:.0f}s",
+                  kept.Wake.REFUSE: f"it cannot serve this round ({why})"}[what]
         where = self._save_held()
-        if what == "refuse":
+        if what is kept.Wake.REFUSE:
             self._journal("fallback", reason=reason, saved=where)
             self.session.refuse(why)
         print(f"elastic-mnist train: leaving ({reason}); {'state saved (' + where + ')' if where else 'nothing held'}",
