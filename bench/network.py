@@ -1,7 +1,7 @@
 """Recovery from network faults between hosts, beside kill/term/join: a host that vanishes (its link goes
 down, then its processes die) and a partition between two hosts that both still reach etcd (healed 15 s
 later), each node on a host of its own (`elastic-mnist local --hosts`: network namespaces, so root),
-etcd-v3, 3 runs each; the same paced steps and fault step as the recovery section.
+etcd-v3, 3 runs each (`--repeats`); the same paced steps and fault step as the recovery section.
 
     python -m bench --network-only --data-dir ../shared/data --update-docs    # ~5 min on 2 cores, root
 
@@ -29,7 +29,7 @@ def measure(runner: Runner, s: Settings) -> dict:
         raise BenchError("the network scenarios put each node in a network namespace: run as root")
     hosts = dataclasses.replace(s, scenarios=list(HOST_SCENARIOS), backends=["etcd-v3"])
     result = {"settings": hosts.to_dict(), "recovery": elastic.measure_recovery(runner, hosts)}
-    result["targets"] = targets._recovery_p50(result)  # noqa: SLF001 - the suite's own rule, on these runs
+    result["targets"] = targets.network(result)
     return result
 
 

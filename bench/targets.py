@@ -107,5 +107,18 @@ def _recovery_p50(results: dict) -> list[dict]:
             for g in results["recovery"].get("summary") or [] if g["n"] > 1 and bound(g) is not None]
 
 
+HEAL_EVERY_RUN_S = 3.0  # a healed partition: the world is whole again within this, in every run
+
+
+def network(results: dict) -> list[dict]:
+    """The network section's rules: each scenario's median, and every partition's heal on its own."""
+    heals = [g for g in results["recovery"].get("summary") or [] if (g["scenario"], g["kind"]) == ("partition", "heal")]
+    return _recovery_p50(results) + [
+        target(f"partition_heal_every_run_{g['backend']}",
+               f"partition heal: every run <= {HEAL_EVERY_RUN_S:g} s ({g['backend']}, {g['world']})",
+               g["recovery_s"]["max"], "<=", HEAL_EVERY_RUN_S, f"{g['n']} runs, {sec(g['recovery_s']['min'])} to "
+               f"{sec(g['recovery_s']['max'])}") for g in heals]
+
+
 def judge(results: dict) -> list[dict]:
     return _throughput(results) + _overhead(results) + _recovery(results) + _recovery_p50(results)
