@@ -21,9 +21,10 @@ from elastic_mnist.runlog import read_records
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FAKETIME_LIB = next((str(p) for p in Path("/usr/lib").glob("*/faketime/libfaketime.so.1")), "")
-# etcd away 75 s: 7 times read_timeout (10 s) and past the job's --collective-timeout (60 s), so no timer of
-# the agents', the store's or the workers' fires unnoticed.
-OUTAGE_S = float(os.environ.get("ELASTIC_MNIST_TEST_ETCD_OUTAGE_S", "75"))
+# etcd away 40 s: 4 times read_timeout (10 s), past the keep-alive window (15 s) and past the job's
+# --collective-timeout (30 s in this test), so no timer of the agents', the store's or the workers' fires unnoticed.
+OUTAGE_S = float(os.environ.get("ELASTIC_MNIST_TEST_ETCD_OUTAGE_S", "40"))
+OUTAGE_COLLECTIVE_TIMEOUT_S = 30
 
 
 def skewed(offset_s: int) -> dict[str, str]:
@@ -74,7 +75,8 @@ def test_etcd_away_longer_than_read_timeout_is_ridden_out(tmp_path, small_mnist,
     or re-formed when etcd is back (the same workers finish the job)."""
     steps = int(OUTAGE_S / 0.1) + 150  # --min-step-time 0.1: still training when etcd comes back
     job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", steps, "--global-batch-size=64",
-              "--epochs=1000")
+              "--epochs=1000", f"--collective-timeout={OUTAGE_COLLECTIVE_TIMEOUT_S}")
+    assert OUTAGE_S > OUTAGE_COLLECTIVE_TIMEOUT_S
     try:
         job.start()
         procs.wait_for(lambda: job.latest_step() >= 30, 240, "the job to train")
