@@ -29,7 +29,7 @@ from elastic_mnist.contract.errors import UserError
 from elastic_mnist.local import chaos, hosts, trace
 from elastic_mnist.local.flags import RUN_DIR_MARK, parse
 from elastic_mnist.local.live import STUCK_S, LiveView, read_rendezvous, stuck_line
-from elastic_mnist.local.nodes import Node, restart_delay
+from elastic_mnist.local.nodes import Node, restart_delay, shutdown_all
 from elastic_mnist.procs import alive, child_env, torchrun_command
 from elastic_mnist.runlog import RunTail
 from elastic_mnist.state import snapshots
@@ -222,8 +222,7 @@ class Launcher:
                 self.start_node()
             self.loop()
         finally:
-            for node in self.nodes.values():
-                node.shutdown()
+            shutdown_all(self.nodes.values())
             self.config_error = self._config_error()  # read while etcd still runs
             self.etcd.close()
             shutil.rmtree(self.shm_root, ignore_errors=True)

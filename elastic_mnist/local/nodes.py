@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic_mnist.procs import alive, descendants, die_with_parent_preexec
@@ -94,14 +96,23 @@ class Node:
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def shutdown(self, grace_s: float = 40.0) -> None:
-        """SIGTERM the agent (it forwards to workers and waits for them), then SIGKILL what is left."""
+    def ask_to_stop(self) -> None:
+        """SIGTERM the agent (it forwards to its workers and waits for them)."""
         if self.running:
             self.tree()
             self.signal_all(signal.SIGCONT)  # a stopped node cannot handle SIGTERM
             self.term_agent()
+
+    def shutdown(self, grace_s: float = 40.0) -> None:
+        """SIGTERM the agent, then SIGKILL what is left after `grace_s`."""
+        self.ask_to_stop()
+        self.finish_stop(grace_s)
+
+    def finish_stop(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for an agent asked to stop, then SIGKILL what is left of the node."""
+        if self.running:
             try:
-                self.proc.wait(timeout=grace_s)
+                self.proc.wait(timeout=max(0.0, grace_s))
             except subprocess.TimeoutExpired:
                 pass
         self.signal_all(signal.SIGKILL)
@@ -130,3 +141,13 @@ def _safe_pgid(pid: int) -> bool:
     except ProcessLookupError:
         return False
 
+
+def shutdown_all(nodes: Iterable[Node], grace_s: float = 40.0) -> None:
+    """Stop every node at once, as a job's end stops all its pods: asked one by one, the nodes still running
+    would see the others leave and form smaller rounds among themselves until their own turn came."""
+    nodes = list(nodes)
+    for node in nodes:
+        node.ask_to_stop()
+    deadline = time.monotonic() + grace_s
+    for node in nodes:
+        node.finish_stop(deadline - time.monotonic())

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO, worker_env
 
+from elastic_mnist.runlog import read_records
+
 pytestmark = pytest.mark.e2e
 
 
@@ -46,6 +48,8 @@ def test_status_of_a_live_job(small_mnist, tmp_path, backend):
     finally:
         launcher.send_signal(signal.SIGTERM)
         launcher.communicate(timeout=90)  # drains the pipe while the launcher stops everything
+    # every node was asked to stop at once: none saw the others leave and trained on in a smaller round
+    assert {r["world_size"] for r in read_records(str(tmp_path / "samples"))} == {2}
 
 
 def test_status_of_an_unknown_job_and_an_unreachable_etcd(etcd_server_v3only, tmp_path):
