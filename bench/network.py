@@ -1,7 +1,7 @@
 """Recovery from network faults between hosts, beside kill/term/join: a host that vanishes (its link goes
 down, then its processes die) and a partition between two hosts that both still reach etcd (healed 15 s
 later), each node on a host of its own (`elastic-mnist local --hosts`: network namespaces, so root),
-etcd-v3, 3 runs each (`--repeats`); the same paced steps and fault step as the recovery section.
+etcd-v3, 3 runs each (settings.HOST_REPEATS); the same paced steps and fault step as the recovery section.
 
     python -m bench --network-only --data-dir ../shared/data --update-docs    # ~5 min on 2 cores, root
 
