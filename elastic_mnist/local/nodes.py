@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from elastic_mnist.procs import alive, descendants, die_with_parent_preexec
 
+STOP_GRACE_S = 40.0  # an agent asked to stop: how long it has to stop its workers before the node is killed
+
 # An agent that exits on its own is started again after 1 s, then 2, 4, ... up to 16 s: a kubelet's
 # CrashLoopBackOff, shortened for one machine (an etcd that is down for a while is not hammered).
 RESTART_BACKOFF_S, RESTART_BACKOFF_CAP_S = 1.0, 16.0
@@ -103,7 +105,7 @@ class Node:
             self.signal_all(signal.SIGCONT)  # a stopped node cannot handle SIGTERM
             self.term_agent()
 
-    def shutdown(self, grace_s: float = 40.0) -> None:
+    def shutdown(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the agent, then SIGKILL what is left after `grace_s`."""
         self.ask_to_stop()
         self.finish_stop(grace_s)
@@ -142,7 +144,7 @@ def _safe_pgid(pid: int) -> bool:
         return False
 
 
-def shutdown_all(nodes: Iterable[Node], grace_s: float = 40.0) -> None:
+def shutdown_all(nodes: Iterable[Node], grace_s: float = STOP_GRACE_S) -> None:
     """Stop every node at once, as a job's end stops all its pods: asked one by one, the nodes still running
     would see the others leave and form smaller rounds among themselves until their own turn came."""
     nodes = list(nodes)
