@@ -17,6 +17,7 @@ docs/benchmarks.md says what each section measures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MNIST root (MNIST/raw/*-ubyte); --quick generates a small set when omitted")
     p.add_argument("--quick", action="store_true", help="a few dozen steps, 1 repeat, kill only, no time to accuracy")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"where results go (default {DEFAULT_OUT})")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats in full mode (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved repeats in full mode; with --network-only, runs of each scenario (default 3)")
     p.add_argument("--work-dir", default="", help="scratch for run dirs and checkpoints (default: a temp dir)")
     p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs of every run)")
     p.add_argument("--update-docs", action="store_true",
@@ -220,7 +222,7 @@ def run_network(args, work: Path) -> int:
     """Vanish and partition recovery; OUT/network.json, network.md (and docs with --update-docs)."""
     started = time.time()
     try:
-        s = _settings(args, work)
+        s = dataclasses.replace(_settings(args, work), host_repeats=max(1, args.repeats))
         result = network.measure(Runner(work), s)
     except BenchError as e:
         log(f"error: {e}")

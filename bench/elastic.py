@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from bench.runner import BenchError, Runner, log, python_m, ratio, shown, spread
-from bench.settings import HOST_REPEATS, HOST_SCENARIOS, REPEATED_SCENARIOS, Settings
+from bench.settings import HOST_SCENARIOS, REPEATED_SCENARIOS, Settings
 
 BREAKDOWN = ("detection_s", "rendezvous_s", "attach_s", "process_group_s", "state_s", "first_step_s")
 
@@ -59,7 +59,7 @@ def _event(e: dict, cold_start: float | None) -> dict:
 
 def repeats(s: Settings, name: str, backend: str) -> int:
     if name in HOST_SCENARIOS:
-        return HOST_REPEATS if backend == "etcd-v3" else 0
+        return s.host_repeats if backend == "etcd-v3" else 0
     return s.recovery_repeats if name in REPEATED_SCENARIOS and backend == "etcd-v3" else 1
 
 

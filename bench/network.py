@@ -1,9 +1,10 @@
 """Recovery from network faults between hosts, beside kill/term/join: a host that vanishes (its link goes
 down, then its processes die) and a partition between two hosts that both still reach etcd (healed 15 s
 later), each node on a host of its own (`elastic-mnist local --hosts`: network namespaces, so root),
-etcd-v3, 3 runs each (settings.HOST_REPEATS); the same paced steps and fault step as the recovery section.
+etcd-v3, 3 runs each (`--repeats N`: N); the same paced steps and fault step as the recovery section.
 
     python -m bench --network-only --data-dir ../shared/data --update-docs    # ~5 min on 2 cores, root
+    python -m bench --network-only --repeats 10 --data-dir ../shared/data --update-docs   # ~15 min
 
 Writes OUT/network.json and OUT/network.md; --update-docs puts the table between `<!-- network:start -->`
 and `<!-- network:end -->` in docs/benchmarks.md.

@@ -27,6 +27,8 @@ class Settings:
     scenarios: list = field(default_factory=list)
     recovery_repeats: int = 1
     """Runs of each repeated scenario (REPEATED_SCENARIOS) on etcd-v3; the others run once."""
+    host_repeats: int = 3
+    """Runs of each scenario between hosts (HOST_SCENARIOS, etcd-v3 only); --network-only takes --repeats."""
     backends: list = field(default_factory=lambda: ["etcd-v3", "etcd"])
     tta_epochs: int = 0
     """0: time to accuracy is skipped."""
@@ -42,9 +44,8 @@ ALL_SCENARIOS = ["kill", "term", "stop", "join"]
 # Recovery is judged by its median: one run on a shared machine can be off by a second either way.
 REPEATED_SCENARIOS = ("kill", "term", "join")
 # Each node on a host of its own (`elastic-mnist local --hosts`: network namespaces, root), etcd-v3 only,
-# HOST_REPEATS runs each: `python -m bench --network-only` (bench/network.py).
+# Settings.host_repeats runs each: `python -m bench --network-only [--repeats N]` (bench/network.py).
 HOST_SCENARIOS = ("vanish", "partition")
-HOST_REPEATS = 3
 
 
 def quick(data_dir: str) -> Settings:

@@ -187,6 +187,18 @@ def test_network_faults_are_judged_per_event_and_rendered():
     assert "partition heal: recovery p50 <= 10 s" in text and "partition heal: every run <= 3 s" in text
 
 
+def test_the_network_section_runs_each_scenario_as_often_as_asked():
+    """3 runs each between hosts unless --network-only is given --repeats; only on etcd-v3."""
+    import dataclasses
+
+    from bench import elastic, settings
+
+    s = settings.quick("/data")
+    assert [elastic.repeats(s, n, "etcd-v3") for n in ("vanish", "partition", "kill")] == [3, 3, 1]
+    ten = dataclasses.replace(s, host_repeats=10)
+    assert (elastic.repeats(ten, "partition", "etcd-v3"), elastic.repeats(ten, "partition", "etcd")) == (10, 0)
+
+
 def test_the_soak_judges_the_floor_not_the_peaks_and_a_leak_misses():
     from bench import soak
 
