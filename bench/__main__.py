@@ -17,7 +17,6 @@ docs/benchmarks.md says what each section measures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -222,8 +221,8 @@ def run_network(args, work: Path) -> int:
     """Vanish and partition recovery; OUT/network.json, network.md (and docs with --update-docs)."""
     started = time.time()
     try:
-        s = dataclasses.replace(_settings(args, work), host_repeats=max(1, args.repeats))
-        result = network.measure(Runner(work), s)
+        s = _settings(args, work)
+        result = network.measure(Runner(work), s, runs=max(1, args.repeats))
     except BenchError as e:
         log(f"error: {e}")
         return 1

@@ -25,10 +25,11 @@ from bench.settings import HOST_SCENARIOS, Settings
 START, END = "<!-- network:start -->", "<!-- network:end -->"
 
 
-def measure(runner: Runner, s: Settings) -> dict:
+def measure(runner: Runner, s: Settings, runs: int) -> dict:
+    """Each scenario between hosts `runs` times, on etcd-v3."""
     if os.geteuid() != 0:
         raise BenchError("the network scenarios put each node in a network namespace: run as root")
-    hosts = dataclasses.replace(s, scenarios=list(HOST_SCENARIOS), backends=["etcd-v3"])
+    hosts = dataclasses.replace(s, scenarios=list(HOST_SCENARIOS), backends=["etcd-v3"], host_repeats=runs)
     result = {"settings": hosts.to_dict(), "recovery": elastic.measure_recovery(runner, hosts)}
     result["targets"] = targets.network(result)
     return result
