@@ -32,6 +32,8 @@ def test_hosting_a_rounds_store_again_and_again_leaves_the_counts_where_the_firs
     for _ in range(3):
         host_a_round()
     again = usage()
-    assert (again["fds"], again["sockets"], again["threads"]) == (first["fds"], first["sockets"], first["threads"]), (
-        first, again, _links())
+    # the counts are the whole pytest process's: an earlier test's thread or socket may end meanwhile (a loaded
+    # machine makes that likelier); a leak is what grows
+    grown = {k: again[k] - first[k] for k in ("fds", "sockets", "threads") if again[k] > first[k]}
+    assert not grown, (grown, first, again, _links())
     assert _links().count("anon_inode:[io_uring]") <= 1, _links()  # one ring a process, however many rounds
