@@ -84,6 +84,10 @@ def _probe_line(name: str, p: dict) -> str:
             f"{p['interval']} steps ({pct(p['cost_bound_no_idle_core'])} if no core is idle)")
 
 
+# One column per part of a recovery, named after its key (detection_s: "detection s"), so they cannot drift.
+_BREAKDOWN_HEADS = [k.removesuffix("_s").replace("_", " ") + " s" for k in BREAKDOWN]
+
+
 def recovery_md(results: dict) -> list[str]:
     rows = []
     for run in results["recovery"]["runs"]:
@@ -96,7 +100,7 @@ def recovery_md(results: dict) -> list[str]:
                         + [num(b.get(k), ".2f") for k in BREAKDOWN])
     return [*recovery_summary_md(results), "### Recovery, every run (fault -> first step at the new world size)",
             ""] + _table(["scenario", "backend", "event", "world", "recovery", "cold start", "recovery/cold",
-                          "steps redone", "detect s", "rendezvous s", "imports s", "resume s", "first step s"], rows)
+                          "steps redone", *_BREAKDOWN_HEADS], rows)
 
 
 def recovery_summary_md(results: dict) -> list[str]:
@@ -107,8 +111,8 @@ def recovery_summary_md(results: dict) -> list[str]:
              _cell({**g["recovery_s"], "n": g["n"]}, ".2f") + " s", num(g["steps_redone_max"], "d")]
             + [num(g["breakdown"].get(k), ".2f") for k in BREAKDOWN] for g in summary]
     return ["### Recovery, median (min-max) of the runs", ""] + _table(
-        ["scenario", "backend", "event", "world", "runs", "recovery", "most steps redone", "detect s",
-         "rendezvous s", "imports s", "resume s", "first step s"], rows) + [""]
+        ["scenario", "backend", "event", "world", "runs", "recovery", "most steps redone", *_BREAKDOWN_HEADS],
+        rows) + [""]
 
 
 def tta_md(results: dict) -> list[str]:
