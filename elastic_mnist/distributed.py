@@ -118,6 +118,7 @@ class StoppedBeforeForming(Exception):
 
 
 MUSTER_POLL_S = 0.005
+MUSTER_REPORT_S = 0.5  # at the deadline: how long the store may take to name the ranks that did not come
 
 
 def muster(env: DistEnv, connect_s: float, stopped: Callable[[], bool], arrived: Callable[[], None] = lambda: None):
@@ -130,7 +131,6 @@ def muster(env: DistEnv, connect_s: float, stopped: Callable[[], bool], arrived:
         return None
     host, port = env.master
     deadline = time.monotonic() + connect_s
-    keys = [f"{MUSTER_PREFIX}{r}" for r in range(env.world_size)]
     try:
         # torch's store client, refused, dials again only after 0.3-0.7 s (its backoff's first step): a
         # member that attaches a few ms before rank 0 hosts the store would cost the whole round that.
@@ -139,24 +139,68 @@ def muster(env: DistEnv, connect_s: float, stopped: Callable[[], bool], arrived:
                                       "(--connect-timeout)", clean=True)
         if stopped():
             raise StoppedBeforeForming()
-        store = dist.TCPStore(host, port, env.world_size, is_master=env.rank == 0, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=connect_s), multi_tenant=True)
-        arrived()
-        store.set(keys[env.rank], b"1")
-        while not store.check(keys):
-            if stopped():
-                raise StoppedBeforeForming()
-            if time.monotonic() > deadline:
-                missing = [r for r, key in enumerate(keys) if not store.check([key])]
-                raise GroupFormationError(f"ranks {missing} of this round's {env.world_size} did not come within "
-                                          f"{connect_s:.0f}s (--connect-timeout)", clean=True)
-            time.sleep(MUSTER_POLL_S)
+        caller = _StoreCalls(env, connect_s, arrived)
+        caller.start()
+        while not caller.done.wait(MUSTER_POLL_S):
+            if stopped() or time.monotonic() > deadline:
+                raise caller.give_up(stopped(), connect_s)
+        if caller.error is not None:
+            raise caller.error
+        return caller.store
     except GroupFormationError:
         raise
     except RuntimeError as e:  # the store's own errors (a rank 0 that died, a refused client)
         raise GroupFormationError(f"this round's store at {host}:{port} failed before the group formed: "
                                   f"{str(e).splitlines()[0][:200]}", clean=True) from e
-    return store
+
+
+class _StoreCalls(threading.Thread):
+    """A muster's store calls, on a thread of their own. torch's store client, connected to a rank 0 that
+    then froze (its process stopped, its host dark after the handshake), blocks in its constructor past its
+    timeout and in `check` past `set_timeout`: only a thread leaves the muster free to see a stop or its
+    deadline. Given up, the thread ends when the call it is in does (the peer resumes or its socket closes)
+    and drops the store; it hands nothing back."""
+
+    def __init__(self, env: DistEnv, connect_s: float, arrived: Callable[[], None]) -> None:
+        super().__init__(daemon=True, name="muster")
+        self.env, self.connect_s, self.arrived = env, connect_s, arrived
+        self.keys = [f"{MUSTER_PREFIX}{r}" for r in range(env.world_size)]
+        self.done, self.given_up = threading.Event(), threading.Event()
+        self.store, self.error, self.missing = None, None, None
+
+    def run(self) -> None:
+        host, port = self.env.master
+        try:
+            store = dist.TCPStore(host, port, self.env.world_size, is_master=self.env.rank == 0,
+                                  wait_for_workers=False, timeout=datetime.timedelta(seconds=self.connect_s),
+                                  multi_tenant=True)
+            if not self.given_up.is_set():
+                self.arrived()
+                store.set(self.keys[self.env.rank], b"1")
+            while not self.given_up.is_set():
+                if store.check(self.keys):
+                    self.store = store
+                    return
+                time.sleep(MUSTER_POLL_S)
+            self.missing = [r for r, key in enumerate(self.keys) if not store.check([key])]
+        except RuntimeError as e:
+            self.error = e
+        finally:
+            self.done.set()
+
+    def give_up(self, stopped: bool, connect_s: float) -> Exception:
+        """The muster's error, once this thread is told to let go. Rank 0 hosts the store in this process,
+        so its calls never wait on a peer: it is waited for, and the next round may host on the same port."""
+        self.given_up.set()
+        if self.env.rank == 0 or not stopped:
+            self.done.wait(1.0 if self.env.rank == 0 else MUSTER_REPORT_S)
+        if stopped:
+            return StoppedBeforeForming()
+        if self.missing is None:
+            return GroupFormationError(f"rank 0's store stopped answering this round's muster within "
+                                       f"{connect_s:.0f}s (--connect-timeout)", clean=True)
+        return GroupFormationError(f"ranks {self.missing} of this round's {self.env.world_size} did not come "
+                                   f"within {connect_s:.0f}s (--connect-timeout)", clean=True)
 
 
 def read_local(environ: dict | None = None) -> tuple[int, int]:

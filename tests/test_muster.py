@@ -6,6 +6,10 @@ machine's loopback, one thread per rank: a rank that never comes costs a kept wo
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -81,3 +85,47 @@ def test_without_torchrun_or_with_torchruns_agent_store_torch_makes_the_store(mo
     assert muster(read_env({}), 1, lambda: False) is None
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert muster(env_of(0, 2, free_port()), 1, lambda: False) is None
+
+
+FROZEN_STORE = """
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60), multi_tenant=True)
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture(scope="module")
+def frozen_rank0_store():
+    """The port of a rank 0's store whose process is stopped (SIGSTOP) once it listens: the kernel still
+    completes a client's handshake, and then nothing answers, as from a frozen node (one for the module:
+    each test dials it afresh)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_STORE, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_stop_ends_the_muster_at_a_rank_0_that_froze_after_listening(frozen_rank0_store) -> None:
+    stop = threading.Event()
+    started = time.monotonic()
+    rank1, got = in_thread(lambda: muster(env_of(1, 2, frozen_rank0_store), 60, stop.is_set))
+    time.sleep(0.3)
+    stop.set()
+    rank1.join(10)
+    # torch's store client alone would wait there until rank 0 wakes, past its own 60 s timeout
+    assert isinstance(got[0], StoppedBeforeForming) and time.monotonic() - started < 2.0
+
+
+def test_a_rank_0_that_froze_after_listening_costs_the_round_its_deadline_only(frozen_rank0_store) -> None:
+    started = time.monotonic()
+    with pytest.raises(GroupFormationError, match="rank 0's store stopped answering") as caught:
+        muster(env_of(1, 2, frozen_rank0_store), 1.0, lambda: False)
+    assert caught.value.clean and time.monotonic() - started < 3.0
