@@ -183,7 +183,7 @@ class _StoreCalls(threading.Thread):
                     return
                 time.sleep(MUSTER_POLL_S)
             self.missing = [r for r, key in enumerate(self.keys) if not store.check([key])]
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - raised in the muster's own thread (the store's, or `arrived`'s)
             self.error = e
         finally:
             self.done.set()

@@ -129,3 +129,11 @@ def test_a_rank_0_that_froze_after_listening_costs_the_round_its_deadline_only(f
     with pytest.raises(GroupFormationError, match="rank 0's store stopped answering") as caught:
         muster(env_of(1, 2, frozen_rank0_store), 1.0, lambda: False)
     assert caught.value.clean and time.monotonic() - started < 3.0
+
+
+def test_what_the_arrival_hook_raises_reaches_the_caller() -> None:
+    def fault() -> None:
+        raise ValueError("the fault point fired")
+
+    with pytest.raises(ValueError, match="the fault point fired"):
+        muster(env_of(0, 1, free_port()), 5, lambda: False, fault)
