@@ -39,6 +39,17 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
     return thread, out
 
 
+def stopped_after(env: distributed.DistEnv, delay_s: float) -> tuple[object, float]:
+    """A muster (60 s to form) that a stop reaches after `delay_s`: what it ended with, and when."""
+    stop = threading.Event()
+    started = time.monotonic()
+    rank, got = in_thread(lambda: muster(env, 60, stop.is_set))
+    time.sleep(delay_s)  # the fault: a stop while the muster waits (nothing here waits on it)
+    stop.set()
+    rank.join(10)
+    return got[0], time.monotonic() - started
+
+
 def test_every_rank_gets_the_rounds_store_once_all_have_come() -> None:
     port = free_port()
     rank1, got1 = in_thread(lambda: muster(env_of(1, 2, port), 20, lambda: False))
@@ -52,13 +63,8 @@ def test_every_rank_gets_the_rounds_store_once_all_have_come() -> None:
 
 def test_a_stop_while_a_peer_never_comes_ends_the_muster_not_the_process() -> None:
     port = free_port()
-    stop = threading.Event()
-    started = time.monotonic()
-    rank0, got = in_thread(lambda: muster(env_of(0, 2, port), 60, stop.is_set))
-    time.sleep(0.3)
-    stop.set()
-    rank0.join(10)
-    assert isinstance(got[0], StoppedBeforeForming) and time.monotonic() - started < 2.0
+    ended, took = stopped_after(env_of(0, 2, port), 0.3)
+    assert isinstance(ended, StoppedBeforeForming) and took < 2.0
     # Nothing left behind: the next round's rank 0 in this process hosts a store on the same port.
     rank1, got1 = in_thread(lambda: muster(env_of(1, 2, port), 20, lambda: False))
     assert muster(env_of(0, 2, port), 20, lambda: False) is not None
@@ -114,14 +120,9 @@ def frozen_rank0_store():
 
 
 def test_a_stop_ends_the_muster_at_a_rank_0_that_froze_after_listening(frozen_rank0_store) -> None:
-    stop = threading.Event()
-    started = time.monotonic()
-    rank1, got = in_thread(lambda: muster(env_of(1, 2, frozen_rank0_store), 60, stop.is_set))
-    time.sleep(0.3)
-    stop.set()
-    rank1.join(10)
+    ended, took = stopped_after(env_of(1, 2, frozen_rank0_store), 0.3)
     # torch's store client alone would wait there until rank 0 wakes, past its own 60 s timeout
-    assert isinstance(got[0], StoppedBeforeForming) and time.monotonic() - started < 2.0
+    assert isinstance(ended, StoppedBeforeForming) and took < 2.0
 
 
 def test_a_rank_0_that_froze_after_listening_costs_the_round_its_deadline_only(frozen_rank0_store) -> None:
