@@ -61,8 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only a kill, a preemption and a join at 2 to 8 nodes (~15 min; bench/scale.py)")
     p.add_argument("--soak-changes", type=int, default=500, help="membership changes in the soak (default 500)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
-    p.add_argument("--spot-tick", type=float, default=spot.SpotSettings.tick_s,
-                   help=f"seconds per trace interval in the spot replay (default {spot.SpotSettings.tick_s})")
+    p.add_argument("--spot-tick", type=float, default=None,
+                   help=f"seconds per trace interval in the spot replay (default {spot.SpotSettings.tick_s}; "
+                        f"{spot.WHOLE_TICK_S} with --spot-whole)")
+    p.add_argument("--spot-whole", action="store_true",
+                   help="with --spot-only: replay the entire trace once (3,664 intervals, three systems, ~70 min)")
     return p
 
 
@@ -265,8 +268,10 @@ def run_spot(args, work: Path) -> int:
         return 1
     started = time.time()
     try:
-        result = spot.measure(Runner(work), spot.SpotSettings(os.path.abspath(args.data_dir), trace=args.spot_trace,
-                                                                tick_s=args.spot_tick))
+        tick = args.spot_tick or (spot.WHOLE_TICK_S if args.spot_whole else spot.SpotSettings.tick_s)
+        result = spot.measure(Runner(work), spot.SpotSettings(
+            os.path.abspath(args.data_dir), trace=args.spot_trace, tick_s=tick,
+            window="" if args.spot_whole else spot.SpotSettings.window))
     except BenchError as e:
         log(f"error: {e}")
         return 1
@@ -274,7 +279,8 @@ def run_spot(args, work: Path) -> int:
     spot.write(result, Path(args.out), DOCS if args.update_docs else None)
     for t in result["targets"]:
         log(f"target {t['id']}: {'met' if t['met'] else 'MISSED'} ({t['value']}) {t['detail']}")
-    log(f"spot replay done in {time.time() - started:.0f} s; wrote {Path(args.out) / 'spot.json'}")
+    name = spot._name(result["settings"])
+    log(f"spot replay done in {time.time() - started:.0f} s; wrote {Path(args.out) / (name + '.json')}")
     return 0
 
 

@@ -1,17 +1,20 @@
-"""Goodput on a real spot market: one trace window replayed, on the same tick and workload profile, by this
-runtime (etcd-v3, defaults), the same worker under torchrun's c10d backend (torch's defaults) and a
-checkpoint-restart loop; then the runtime's final model against the uninterrupted run's at the same step.
+"""Goodput on a real spot market: one trace window (or the whole trace) replayed, on the same tick and
+workload profile, by this runtime (etcd-v3, defaults), the same worker under torchrun's c10d backend (torch's
+defaults) and a checkpoint-restart loop; then the runtime's final model against the uninterrupted run's at the
+same step, and (whole trace) how much its kept workers grew over the rounds they served.
 
-    python -m bench --spot-only --data-dir ../shared/data --update-docs     # ~20 min on 2 cores
+    python -m bench --spot-only --data-dir ../shared/data --update-docs     # one window, ~20 min on 2 cores
+    python -m bench --spot-only --spot-whole --data-dir ../shared/data --update-docs   # all of it, ~70 min
     python -m elastic_mnist local --trace TRACE --trace-window 2136:100 --tick 3.5 ...   # what runs here
 
-Writes OUT/spot.json, OUT/spot.md and OUT/spot.png; --update-docs puts the table between
-`<!-- spot:start -->` and `<!-- spot:end -->` in docs/benchmarks.md.
+Writes OUT/spot.json, OUT/spot.md and OUT/spot.png (OUT/spot-whole.* for the whole trace); --update-docs puts
+the table between `<!-- spot:start -->` and `<!-- spot:end -->` (`spot-whole:`) in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -22,7 +25,6 @@ from bench.fmt import num, pct
 from bench.runner import REPO, BenchError, Runner, log, python_m, shown
 
 TRACE = REPO.parent / "shared" / "spot-traces" / "aws-us-east-1f-v100-4node-2023-08.json"
-START, END = "<!-- spot:start -->", "<!-- spot:end -->"
 # (name, label, launcher flags, train flags). The restart loop has no in-memory snapshots: a plain
 # script restarts from what its periodic checkpoints saved.
 SYSTEMS = (("elastic", "this runtime (etcd-v3, defaults)", [], []),
@@ -30,12 +32,17 @@ SYSTEMS = (("elastic", "this runtime (etcd-v3, defaults)", [], []),
            ("restart", "checkpoint-restart loop", ["--on-change", "restart-all"], ["--snapshot-every", "0"]))
 
 
+WHOLE_TICK_S = 0.35
+"""The whole trace's tick: 3,664 intervals in 21 minutes a system (a change every 5 s on average)."""
+
+
 @dataclass
 class SpotSettings:
     data_dir: str
     trace: str = str(TRACE)
     window: str = "2136:100"
-    """100 intervals (8.3 h of the market): a ramp 1->4, a drop 3->0 for 16 intervals, back to 4, 4->2->4."""
+    """100 intervals (8.3 h of the market): a ramp 1->4, a drop 3->0 for 16 intervals, back to 4, 4->2->4.
+    Empty: the whole trace (then the epochs are enough to train through all of it)."""
     tick_s: float = 3.5
     """100 ticks of 3.5 s: the three systems together take about 20 minutes."""
     notice_s: float = 30.0
@@ -49,11 +56,28 @@ class SpotSettings:
     global_batch_size: int = 128
 
 
+    @property
+    def name(self) -> str:
+        """The files' and the docs markers' name: spot (a window) or spot-whole."""
+        return _name(asdict(self))
+
+    def ticks(self) -> int:
+        if self.window:
+            return int(self.window.split(":")[1])
+        return len(json.loads(Path(self.trace).read_text())["data"])
+
+    def for_whole_trace(self) -> SpotSettings:
+        """The settings with epochs enough for every tick of the whole trace at full speed (one more, spare)."""
+        steps = self.ticks() * self.tick_s / self.min_step_time
+        return SpotSettings(**{**asdict(self), "epochs": math.ceil(steps * self.global_batch_size / 60000) + 1})
+
+
 def _run(runner: Runner, sp: SpotSettings, name: str, flags: list[str], train: list[str]) -> dict:
-    run_dir = runner.new_dir(f"spot-{name}")
-    ticks = int(sp.window.split(":")[1])
+    run_dir = runner.new_dir(f"{sp.name}-{name}")
+    ticks = sp.ticks()
+    window = ["--trace-window", sp.window] if sp.window else []
     cmd = python_m("elastic_mnist") + [
-        "local", "--trace", sp.trace, "--trace-window", sp.window, "--tick", str(sp.tick_s),
+        "local", "--trace", sp.trace, *window, "--tick", str(sp.tick_s),
         "--notice", str(sp.notice_s), "--trace-seed", str(sp.seed), "--max-nodes", "4", *flags,
         "--run-dir", str(run_dir / "run"), "--timeout", str(int(ticks * sp.tick_s + 120)),
         "--data-dir", sp.data_dir, "--global-batch-size", str(sp.global_batch_size), "--epochs", str(sp.epochs),
@@ -70,7 +94,9 @@ def _run(runner: Runner, sp: SpotSettings, name: str, flags: list[str], train: l
            "run_dir": str(run_dir / "run"), "goodput": g, "orphans": rep["orphans"],
            "steps_done": len({s["step"] for s in _samples(run_dir / "run")}),
            "agent_restarts": sum(1 for e in rep["events"] if e["kind"] == "agent-restart"),
-           "store_hosts": _store_hosts(run_dir / "run") if name == "c10d" else None}
+           "store_hosts": _store_hosts(run_dir / "run") if name == "c10d" else None,
+           "window_done": rep.get("trace", {}).get("window_done"), "changes": len(g["events"]),
+           "kept": kept_growth(run_dir / "run") if name == "elastic" and not sp.window else None}
     log(f"  {name}: ETTR {g['ettr']} (compressed), goodput {g['goodput']}, real-scale ETTR "
         f"{g['real_scale']['ettr']} ({g['real_scale']['ettr_without_startup_cost']} without start-up cost), "
         f"{rec['steps_done']} steps, parts {g['parts_s']}")
@@ -81,6 +107,30 @@ def _samples(run_dir: Path) -> list[dict]:
     from elastic_mnist.runlog import read_records
 
     return read_records(str(run_dir / "samples"))
+
+
+KEPT_MIN_ROUNDS = 30  # the soak's warm-up (20 rounds) and the ten its measures need after it
+
+
+def kept_growth(run_dir: Path) -> dict:
+    """Every kept worker that served enough rounds to judge (the soak's warm-up and ten more): its RSS slope
+    per 100 rounds and its thread, descriptor and socket growth (bench/soak.py's measures); the worst of each."""
+    from bench import soak
+    from elastic_mnist.runlog import read_records
+
+    ends = [r for r in read_records(str(run_dir / "tensorboard" / "events")) if r.get("event") == "round_end"]
+    by_pid: dict = {}
+    for r in sorted(ends, key=lambda r: r.get("time", 0.0)):
+        by_pid.setdefault((r.get("node"), r.get("pid")), []).append(soak._round_row(r))
+    workers = {f"{node}/{pid}": rows for (node, pid), rows in by_pid.items() if len(rows) >= KEPT_MIN_ROUNDS}
+    out = {"workers": {}, "rounds_max": max((len(r) for r in by_pid.values()), default=0)}
+    for who, rows in workers.items():
+        out["workers"][who] = {"rounds": len(rows), "rss_mb_per_100": soak.rss_per_100(rows),
+                               **{k: soak.growth(rows, k).get("growth") for k in ("threads", "fds", "sockets")}}
+    for key in ("rss_mb_per_100", "threads", "fds", "sockets"):
+        values = [w[key] for w in out["workers"].values() if w[key] is not None]
+        out[f"worst_{key}"] = max(values) if values else None
+    return out
 
 
 def _store_hosts(run_dir: Path) -> list[str]:
@@ -137,6 +187,7 @@ def warm_data_cache(data_dir: str) -> None:
 
 
 def measure(runner: Runner, sp: SpotSettings) -> dict:
+    sp = sp if sp.window else sp.for_whole_trace()
     warm_data_cache(sp.data_dir)
     systems = [_run(runner, sp, name, flags, train) for name, _, flags, train in SYSTEMS]
     ours = Path(systems[0]["run_dir"])
@@ -151,14 +202,22 @@ def judge(result: dict) -> list[dict]:
 
     by = {s["system"]: s["goodput"] for s in result["systems"]}
     ours, others = by["elastic"], [v for k, v in by.items() if k != "elastic"]
-    rs = ours["real_scale"]
+    rs, whole = ours["real_scale"], not result["settings"]["window"]
     better = [all((ours[key] or 0) > (o[key] or 0) for o in others) for key in ("ettr", "goodput")] + [
         all((rs["ettr"] or 0) > (o["real_scale"]["ettr"] or 0) for o in others)]
-    return [target("spot_real_ettr", "real-scale ETTR >= 99% (bench profile)", rs["ettr"], ">=", 0.99, rs["label"]),
+    out = [target("spot_real_ettr", "real-scale ETTR >= 99% (bench profile)", rs["ettr"], ">=", 0.99, rs["label"]),
             target("spot_real_ettr_plain", "real-scale ETTR >= 99.7% without the start-up cost",
                    rs["ettr_without_startup_cost"], ">=", 0.997, rs["label"]),
             target("spot_better", "better than c10d and the restart loop on every row (ETTR, goodput, real-scale)",
                    float(all(better)), ">=", 1.0, f"ETTR / goodput / real-scale ETTR better: {better}")]
+    if whole:
+        mine = result["systems"][0]
+        out += [target("spot_whole_ettr", "whole trace: real-scale ETTR >= 99.8%", rs["ettr"], ">=", 0.998,
+                       rs["label"]),
+                target("spot_whole_survived", "whole trace: the run ended with the trace, exit 0",
+                       float(mine["exit_code"] == 0 and bool(mine["window_done"])), ">=", 1.0,
+                       f"exit {mine['exit_code']}, trace over: {mine['window_done']}, {mine['changes']} changes")]
+    return out
 
 
 PART_NAMES = ("productive", "redone", "detection", "rendezvous", "worker_start", "resume", "no_node")
@@ -175,9 +234,10 @@ def render(result: dict, image_prefix: str = "") -> str:
                      pct(g["goodput"]), pct(rs["ettr"]), pct(rs["ettr_without_startup_cost"]),
                      *[num(g["parts_s"][p], ".1f") for p in PART_NAMES]])
     acc, plan = result["accuracy"], result["plan"]
-    lines = [f"Window {sp['window']} of `{Path(sp['trace']).name}`, one interval per {sp['tick_s']} s, "
+    what = f"Window {sp['window']}" if sp["window"] else f"The whole trace ({result['systems'][0]['changes']} changes)"
+    lines = [f"{what} of `{Path(sp['trace']).name}`, one interval per {sp['tick_s']} s, "
              f"{sp['notice_s']:.0f} s notice, steps of {sp['min_step_time']} s, {sp['startup_cost']:.0f} s start-up "
-             "cost per worker start, global batch 128.", "",
+             f"cost per worker start, global batch 128, {sp['epochs']} epochs.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", "\\* extrapolated to the trace's real time scale: each change's measured cost against the real "
               "300 s intervals (a change the next one cut short gets the median cost of its kind's whole ones).", ""]
@@ -189,9 +249,16 @@ def render(result: dict, image_prefix: str = "") -> str:
     c10d = next(s for s in result["systems"] if s["system"] == "c10d")
     lines += ["", f"c10d store hosts over the run: {', '.join(c10d['store_hosts'] or []) or 'none logged'}; "
               f"agent restarts by the launcher: {c10d['agent_restarts']}.", ""]
+    kept = result["systems"][0].get("kept")
+    if kept:
+        lines += [f"Kept workers of this runtime that served at least {KEPT_MIN_ROUNDS} rounds: "
+                  f"{len(kept['workers'])} (the longest-lived {kept['rounds_max']} rounds); the worst of them grew "
+                  f"{kept['worst_rss_mb_per_100']} MB "
+                  f"RSS per 100 rounds, {kept['worst_threads']} threads, {kept['worst_fds']} fds and "
+                  f"{kept['worst_sockets']} sockets (bench/soak.py's measures, from round 20 on).", ""]
     for t in result["targets"]:
         lines.append(f"- {t['description']}: {'met' if t['met'] else 'MISSED'} ({t['value']}); {t['detail']}")
-    return "\n".join(lines + ["", f"![spot replay]({image_prefix}spot.png)", ""])
+    return "\n".join(lines + ["", f"![spot replay]({image_prefix}{_name(sp)}.png)", ""])
 
 
 def plot(result: dict, path: Path) -> None:
@@ -219,13 +286,18 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _name(settings: dict) -> str:
+    return "spot" if settings["window"] else "spot-whole"
+
+
 def write(result: dict, out: Path, docs: Path | None) -> None:
+    name = _name(result["settings"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spot.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "spot.md").write_text(render(result))
-    plot(result, out / "spot.png")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(render(result))
+    plot(result, out / f"{name}.png")
     if docs is not None:
         import os
 
         report.update_between_markers(docs, render(result, image_prefix=os.path.relpath(out, docs.parent) + "/"),
-                                      START, END)
+                                      f"<!-- {name}:start -->", f"<!-- {name}:end -->")
