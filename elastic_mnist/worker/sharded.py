@@ -1,0 +1,87 @@
+"""Sharded data parallelism: torch's `fully_shard` (FSDP2) over one round's ranks, and the model's and the
+optimizer's state as this rank's rows (FSDP2's dim-0 shards), the form state/reshard.py moves from one world
+size to another in memory.
+
+    python -m pytest tests/test_sharded.py -q     # a reshard after a kill equals a DCP save loaded at the new size
+
+A round's model is wrapped for that round's mesh; at the next round a fresh copy of the task's model is
+wrapped for the new mesh and takes its rows (`load_rows`). What a rank holds between rounds is what
+`rows_of` returns (its own rows) and the copy of its ring neighbour's rows (state/reshard.py's `ring_copy`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mesh_of(group=None, device_type: str = "cpu") -> DeviceMesh:
+    """The round's ranks (the default group, or `group`) as FSDP2's one-dimensional mesh."""
+    return DeviceMesh.from_group(group or dist.group.WORLD, device_type)
+
+
+def precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """--precision as FSDP2's policy: compute in bf16 or fp16, reduce gradients and keep the sharded
+    parameters and the optimizer's state in fp32; fp32 changes nothing."""
+    dtype = _DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+
+
+def shard_blocks(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> nn.Module:
+    """The default wrapping (Task.shard): every direct child that holds parameters is its own unit (its
+    parameters are gathered just before it runs and freed after), then the root for whatever is left."""
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def rows_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """(this rank's rows of every sharded tensor by name, the optimizer's unsharded per-parameter values such
+    as Adam's step). Names: `model.<param>` and `optimizer.<param>.<key>`; the rows are views, not copies."""
+    rows, replicated = {}, {}
+    for name, p in model.named_parameters():
+        rows[f"model.{name}"] = p.to_local()
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, DTensor):
+                rows[f"optimizer.{name}.{key}"] = value.to_local()
+            else:
+                replicated[f"{name}.{key}"] = value
+    return rows, replicated
+
+
+def specs_of(model: nn.Module, replicated: dict, state_keys: list[str]) -> dict[str, torch.Tensor]:
+    """The whole shape and dtype of every sharded tensor `rows_of` names (meta tensors): the parameters', and
+    for each of `state_keys` (Adam: exp_avg, exp_avg_sq) one like its parameter, where the optimizer keeps
+    state for it (`replicated` names the parameters it has state for, by their step)."""
+    specs = {}
+    with_state = {k.rsplit(".", 1)[0] for k in replicated}
+    for name, p in model.named_parameters():
+        specs[f"model.{name}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        if name in with_state:
+            for key in state_keys:
+                specs[f"optimizer.{name}.{key}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+    return specs
+
+
+def load_rows(model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict[str, torch.Tensor],
+              replicated: dict) -> None:
+    """Put this rank's rows into a model wrapped for the new mesh, and its optimizer's state beside them."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(rows[f"model.{name}"])
+    for name, p in model.named_parameters():
+        prefix = f"optimizer.{name}."
+        state = {k[len(prefix):]: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                      shape=p.shape, stride=p.stride())
+                 for k, v in rows.items() if k.startswith(prefix)}
+        state.update({k[len(name) + 1:]: v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in replicated.items() if k.rsplit(".", 1)[0] == name})
+        if state:
+            optimizer.state[p] = state

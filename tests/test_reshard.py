@@ -1,0 +1,88 @@
+"""Live resharding: the plan covers every new row exactly once from a rank that holds it, and real gloo
+processes that reshard after a kill (3 -> 2, the lost rank's rows from its ring neighbour's copy) and on a
+join (2 -> 3, the joiner holding nothing) end with exactly the rows of the whole tensors."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_group import run_group
+
+from elastic_mnist.state.reshard import Change, LostShard, buddy_of, holders, plan, reshard, shard_rows
+
+SHAPES = {"w1": ((10, 3), torch.float32), "w2": ((7, 2), torch.float32), "b": ((2,), torch.float32),
+          "v": ((5,), torch.float64), "n": ((9, 2), torch.int64)}
+
+
+def _whole() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {name: (torch.randint(0, 1000, shape, generator=gen) if dtype == torch.int64
+                   else torch.randn(shape, generator=gen, dtype=dtype)) for name, (shape, dtype) in SHAPES.items()}
+
+
+def _held(whole: dict, world: int, old_rank: int) -> dict[str, dict[int, torch.Tensor]]:
+    """What old rank `old_rank` keeps: its own rows and its ring predecessor's copy."""
+    out = {}
+    for name, t in whole.items():
+        own = {r: t[slice(*shard_rows(t.shape[0], world, r))].clone() for r in {old_rank, buddy_of(old_rank, world)}}
+        out[name] = own
+    return out
+
+
+@pytest.mark.parametrize("n,old,lost,joined", [(10, 3, {1}, 0), (10, 2, set(), 1), (2, 3, {2}, 0), (7, 4, set(), 2),
+                                               (1, 2, {0}, 0), (13, 8, {1, 4, 6}, 0), (13, 8, {7}, 3)])
+def test_the_plan_covers_each_new_shard_once_from_a_holder(n, old, lost, joined):
+    stayed = {r: i for i, r in enumerate(r for r in range(old) if r not in lost)}
+    new = len(stayed) + joined
+    held_by = holders(old, stayed)
+    pieces = plan(n, old, new, held_by)
+    for dst in range(new):
+        a, b = shard_rows(n, new, dst)
+        mine = sorted((p.start, p.stop) for p in pieces if p.dst == dst)
+        covered = [i for s, e in mine for i in range(s, e)]
+        assert covered == list(range(a, b))
+    for p in pieces:  # every piece comes from the rank that holds that old shard, and lies inside it
+        oa, ob = shard_rows(n, old, p.old)
+        assert p.src == held_by[p.old] and oa <= p.start < p.stop <= ob
+
+
+def test_a_lost_rank_is_served_by_its_ring_neighbour_and_two_lost_neighbours_lose_a_shard():
+    assert holders(3, {0: 0, 2: 1}) == {0: 0, 1: 1, 2: 1}  # old 1's copy is on old 2, now rank 1
+    assert holders(4, {0: 0, 3: 1}) == {0: 0, 2: 1, 3: 1}  # old 1 and its neighbour old 2 are both gone
+    with pytest.raises(LostShard, match="old rank 1 of 4"):
+        plan(8, 4, 2, holders(4, {0: 0, 3: 1}))
+
+
+def _after_kill(rank: int, world: int, out_dir: str) -> None:
+    whole = _whole()
+    held = _held(whole, world, rank)
+    group = dist.new_group([0, 2])  # old rank 1 is killed: old 0 and 2 are the new round's ranks 0 and 1
+    if rank == 1:
+        return
+    new_rank = {0: 0, 2: 1}[rank]
+    change = Change(3, 2, new_rank, holders(3, {0: 0, 2: 1}))
+    specs = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in SHAPES.items()}
+    shards, sent = reshard(held, specs, change, torch.device("cpu"), group)
+    torch.save({"shards": shards, "sent": sent}, os.path.join(out_dir, f"kill-{new_rank}.pt"))
+
+
+def _after_join(rank: int, world: int, out_dir: str) -> None:
+    whole = _whole()
+    held = _held(whole, 2, rank) if rank < 2 else {}  # rank 2 joins with nothing
+    change = Change(2, 3, rank, holders(2, {0: 0, 1: 1}))
+    specs = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in SHAPES.items()}
+    shards, sent = reshard(held, specs, change, torch.device("cpu"))
+    torch.save({"shards": shards, "sent": sent}, os.path.join(out_dir, f"join-{rank}.pt"))
+
+
+@pytest.mark.parametrize("kind,fn,new_world", [("kill", _after_kill, 2), ("join", _after_join, 3)])
+def test_real_processes_reshard_to_exactly_the_whole_tensors_rows(tmp_path, kind, fn, new_world):
+    run_group(fn, 3, str(tmp_path))
+    whole = _whole()
+    total = sum(t.numel() * t.element_size() for t in whole.values())
+    for rank in range(new_world):
+        got = torch.load(tmp_path / f"{kind}-{rank}.pt")
+        for name, t in whole.items():
+            assert torch.equal(got["shards"][name], t[slice(*shard_rows(t.shape[0], new_world, rank))]), name
+        assert got["sent"] <= total // 2  # a rank sends only rows that change hands, never the whole
