@@ -42,6 +42,16 @@ def shard_blocks(model: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolic
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def empty_sharded(build, mesh: DeviceMesh, policy: MixedPrecisionPolicy, device: torch.device,
+                  shard=shard_blocks) -> nn.Module:
+    """`build()`'s model wrapped for `mesh` without ever holding it whole: built on the meta device, sharded,
+    then given uninitialized storage for this rank's rows only, which `load_rows` fills."""
+    with torch.device("meta"):
+        model = build()
+    shard(model, mesh, policy)
+    return model.to_empty(device=device)
+
+
 def rows_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """(this rank's rows of every sharded tensor by name, the optimizer's unsharded per-parameter values such
     as Adam's step). Names: `model.<param>` and `optimizer.<param>.<key>`; the rows are views, not copies."""
