@@ -1,0 +1,115 @@
+"""Checkpoints of a sharded run: every rank's rows through torch.distributed.checkpoint (DCP), and beside them
+one checkpoint file of ours, whose publishing makes the step exist.
+
+    python -m pytest tests/test_sharded_files.py -q    # saved at world 3; loaded at world 2, and by one process
+
+`ckpt-{step:09d}.pt` is an ordinary checkpoint file (format.py: checksum or keyed digest, no-clobber publish)
+holding everything but the sharded tensors, and under SHARDS_KEY the name of the directory DCP wrote them to,
+`ckpt-{step:09d}.shards/`, with the sha256 of every file in it. The directory is written under a temp name
+and renamed before the file is published, so a step exists only once both are complete, and a file that
+verifies vouches for every byte of its shards. DCP reshards on load: at any world size, or whole tensors in
+one process (`load_whole`: a sharded checkpoint read by a run that does not shard).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from elastic_mnist import files
+from elastic_mnist.distributed import wait
+from elastic_mnist.state import format as checkpoint
+
+SHARDS_KEY = "shards"
+"""The checkpoint key naming a sharded checkpoint's directory and its files' sha256."""
+
+
+def shards_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"ckpt-{step:09d}.shards")
+
+
+def save(directory: str, step: int, sharded: dict, state: dict, key: bytes | None = None, group=None) -> bool:
+    """Collective over `group`: DCP writes every rank's rows of `sharded` (a state dict of DTensors), then
+    global rank 0 of the group publishes the checkpoint file of `state` (the rest: step, progress, config).
+    True on every rank when this call published the step; False when it existed already (left as it was)."""
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".ckpt-{step:09d}.shards.tmp-{_shared_token(group)}")
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    published = torch.zeros(1, dtype=torch.int64)
+    if dist.get_rank(group) == 0:
+        published[0] = int(_publish(directory, step, tmp, state, key))
+    wait(dist.broadcast(published, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group,
+                        async_op=True))
+    return bool(published[0])
+
+
+def _publish(directory: str, step: int, tmp: str, state: dict, key: bytes | None) -> bool:
+    path, final = checkpoint.path_for(directory, step), shards_dir(directory, step)
+    if os.path.lexists(path):
+        shutil.rmtree(tmp)  # another writer completed this step first: its copy stays
+        return False
+    digests = {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    if os.path.isdir(final) and not os.path.islink(final):
+        shutil.rmtree(final)  # a writer that died between its rename and its publish: never published
+    os.rename(tmp, final)
+    files.fsync_dir(directory)
+    blob = checkpoint.encode({**state, "step": step, SHARDS_KEY: {"dir": os.path.basename(final), "files": digests}},
+                             key)
+    return checkpoint.write_durable(path, blob)
+
+
+def _shared_token(group) -> str:
+    """Rank 0's random token, so every rank writes into the same temp directory."""
+    token = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    wait(dist.broadcast(token, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group, async_op=True))
+    return f"{int(token[0]):016x}"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verified_dir(directory: str, state: dict) -> str:
+    """The shards directory of a decoded sharded checkpoint, once every file in it matches its sha256 (and
+    none is missing or added); CheckpointError otherwise, with nothing read by DCP."""
+    listed = state[SHARDS_KEY]
+    where = os.path.join(directory, listed["dir"])
+    if os.path.basename(where) != os.path.basename(shards_dir(directory, state["step"])) or not os.path.isdir(where):
+        raise checkpoint.CheckpointError(f"{where}: the shards of step {state['step']} are missing")
+    found = sorted(os.listdir(where))
+    if found != sorted(listed["files"]):
+        raise checkpoint.CheckpointError(f"{where}: holds {found}, its checkpoint lists {sorted(listed['files'])}")
+    for name, digest in listed["files"].items():
+        if _sha256(os.path.join(where, name)) != digest:
+            raise checkpoint.CheckpointError(f"{where}/{name}: checksum mismatch (truncated or corrupt)")
+    return where
+
+
+def load(directory: str, state: dict, sharded: dict, group=None) -> None:
+    """Collective: DCP loads the verified shards into `sharded` (DTensors of this round's mesh), in place."""
+    dcp.load(sharded, storage_reader=dcp.FileSystemReader(verified_dir(directory, state)), process_group=group)
+
+
+def load_whole(directory: str, state: dict) -> dict[str, torch.Tensor]:
+    """Every sharded tensor whole, read by this process alone (no process group)."""
+    reader = dcp.FileSystemReader(verified_dir(directory, state))
+    meta = reader.read_metadata().state_dict_metadata
+    whole = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in meta.items() if hasattr(m, "size")}
+    dcp.load(whole, storage_reader=reader, no_dist=True)
+    return whole
+
+
+def remove(directory: str, step: int) -> None:
+    """The shards of a step whose checkpoint file keep-k removed."""
+    where = shards_dir(directory, step)
+    if os.path.isdir(where) and not os.path.islink(where):
+        shutil.rmtree(where)
