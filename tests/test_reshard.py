@@ -9,7 +9,17 @@ import torch
 import torch.distributed as dist
 from gloo_group import run_group
 
-from elastic_mnist.state.reshard import Change, LostShard, buddy_of, holders, plan, reshard, shard_rows
+from elastic_mnist.state.reshard import (
+    Change,
+    LostShard,
+    Offer,
+    buddy_of,
+    from_memory,
+    holders,
+    plan,
+    reshard,
+    shard_rows,
+)
 
 SHAPES = {"w1": ((10, 3), torch.float32), "w2": ((7, 2), torch.float32), "b": ((2,), torch.float32),
           "v": ((5,), torch.float64), "n": ((9, 2), torch.int64)}
@@ -52,6 +62,19 @@ def test_a_lost_rank_is_served_by_its_ring_neighbour_and_two_lost_neighbours_los
     assert holders(4, {0: 0, 3: 1}) == {0: 0, 2: 1, 3: 1}  # old 1 and its neighbour old 2 are both gone
     with pytest.raises(LostShard, match="old rank 1 of 4"):
         plan(8, 4, 2, holders(4, {0: 0, 3: 1}))
+
+
+def test_the_newest_state_whose_every_shard_is_held_is_chosen_or_none():
+    a = [Offer("L", 7, 0, 3, 7), Offer("L", 7, 2, 3, 7), Offer()]  # old 1 lost (copy on old 2); a joiner
+    chosen, held_by = from_memory(a)
+    assert (chosen.lineage, chosen.step, chosen.old_world) == ("L", 7, 3) and held_by == {0: 0, 1: 1, 2: 1}
+    stale = [Offer("L", 7, 0, 3, 7), Offer("L", 7, 2, 3, 6)]  # old 2's copy is of step 6: old 1's rows are gone
+    assert from_memory(stale) is None
+    older = [Offer("M", 9, 0, 2, 9), Offer("L", 7, 0, 1, 7)]  # M lost old 1 whose copy old 0 holds; L is whole
+    chosen, held_by = from_memory(older)
+    assert (chosen.lineage, chosen.step) == ("M", 9) and held_by == {0: 0, 1: 0}
+    assert from_memory([Offer(), Offer()]) is None  # a fresh start: storage
+    assert from_memory([Offer("M", 9, 0, 3, 9), Offer("L", 7, 0, 1, 7)])[0].lineage == "L"  # M misses old 1
 
 
 def _after_kill(rank: int, world: int, out_dir: str) -> None:

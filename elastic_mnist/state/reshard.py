@@ -38,16 +38,44 @@ def buddy_of(rank: int, world: int) -> int:
     return (rank - 1) % world
 
 
-def holders(old_world: int, new_rank_of: dict[int, int]) -> dict[int, int]:
+def holders(old_world: int, new_rank_of: dict[int, int], copies: set[int] | None = None) -> dict[int, int]:
     """Old rank -> the new rank that holds its shard: its owner if it stayed, else the owner's ring successor
-    (who keeps the copy). `new_rank_of` maps each old rank that stayed to its rank in the new round."""
+    (who keeps the copy). `new_rank_of` maps each old rank that stayed to its rank in the new round; `copies`,
+    when given, the new ranks whose copy is of the same step (a copy of another step serves nobody)."""
     out = {}
     for old in range(old_world):
+        successor = new_rank_of.get((old + 1) % old_world) if old_world > 1 else None
         if old in new_rank_of:
             out[old] = new_rank_of[old]
-        elif old_world > 1 and (old + 1) % old_world in new_rank_of:
-            out[old] = new_rank_of[(old + 1) % old_world]
+        elif successor is not None and (copies is None or successor in copies):
+            out[old] = successor
     return out
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one rank of the new round holds of an earlier round's shards (a joiner: nothing, lineage "")."""
+
+    lineage: str = ""
+    """The round that agreed on the state: every survivor of that round holds rows of the same step."""
+    step: int = -1
+    old_rank: int = -1
+    old_world: int = 0
+    copy_step: int = -1
+    """The step of its copy of its ring predecessor's rows (-1: none)."""
+
+
+def from_memory(offers: list[Offer]) -> tuple[Offer, dict[int, int]] | None:
+    """The newest state whose every old shard some rank of the new round holds (`offers[r]` is new rank r's):
+    (the state, as an offer of it, and which new rank holds each old shard), or None (it comes from storage)."""
+    states = {(o.step, o.lineage, o.old_world) for o in offers if o.lineage and o.step >= 0}
+    for step, lineage, old_world in sorted(states, reverse=True):
+        mine = {r: o for r, o in enumerate(offers) if (o.lineage, o.step) == (lineage, step)}
+        held_by = holders(old_world, {o.old_rank: r for r, o in mine.items()},
+                          {r for r, o in mine.items() if o.copy_step == step})
+        if len(held_by) == old_world:
+            return Offer(lineage, step, -1, old_world), held_by
+    return None
 
 
 @dataclass(frozen=True)
