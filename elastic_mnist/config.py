@@ -61,7 +61,9 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches each rank splits its share of a global step into (the step's samples stay the same)."""
     hidden: int = 512
-    """Width of the MLP's hidden layer (784-HIDDEN-10)."""
+    """Width of the MLP's hidden layers (784-HIDDEN-10 with one)."""
+    hidden_layers: int = 1
+    """Hidden layers of the MLP: 3 with --hidden 4096 makes a 37M-parameter model (784-4096-4096-4096-10)."""
     seed: int = 0
     """Seed for the weights and for each epoch's permutation of the data."""
     backend: str = "auto"
@@ -193,7 +195,8 @@ class TrainConfig:
 # which take 64 bits: 32 leave that room. A new int or float field needs an entry (tests/test_config.py checks).
 RANGES = {
     "epochs": (1, 100_000), "max_steps": (0, 10**12), "global_batch_size": (1, 1 << 20), "grad_accum": (1, 1 << 16),
-    "hidden": (1, 1 << 16), "num_workers": (0, 256), "keep_checkpoints": (1, 10_000), "checkpoint_every": (0, 10**9),
+    "hidden": (1, 1 << 16), "hidden_layers": (1, 64), "num_workers": (0, 256), "keep_checkpoints": (1, 10_000),
+    "checkpoint_every": (0, 10**9),
     "snapshot_every": (0, 10**9), "snapshot_cap_mb": (0, 1 << 30), "snapshot_max_age_h": (0.0, 24 * 365.0),
     "log_every": (1, 10**9), "collective_timeout": (0.0, 86_400.0), "connect_timeout": (0.0, 86_400.0),
     "round_timeout": (0.0, 86_400.0), "peer_timeout": (0.0, 3_600.0), "heartbeat_interval": (0.0, 60.0),
@@ -212,7 +215,7 @@ def flag_name(field_name: str) -> str:
 
 # `dataset` is added by the trainer (training-set size and label hash), so a checkpoint trained on
 # another data set is refused too.
-FINGERPRINT_FIELDS = ("global_batch_size", "hidden", "seed", "lr", "lr_schedule")
+FINGERPRINT_FIELDS = ("global_batch_size", "hidden", "hidden_layers", "seed", "lr", "lr_schedule")
 
 
 def field_docs(cls: type) -> dict[str, str]:

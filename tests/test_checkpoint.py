@@ -53,6 +53,13 @@ def test_incompatible_config_is_refused_by_name():
     checkpoint.check_compatible(state, {"global_batch_size": 128, "hidden": 512}, "x.pt")
 
 
+def test_a_checkpoint_from_before_hidden_layers_counts_as_one_hidden_layer():
+    state = _state(10)  # its fingerprint has no hidden_layers: it was written before the flag existed
+    checkpoint.check_compatible(state, {"global_batch_size": 128, "hidden": 512, "hidden_layers": 1}, "x.pt")
+    with pytest.raises(UserError, match=r"hidden_layers 1 \(checkpoint\) vs 3 \(now\)"):
+        checkpoint.check_compatible(state, {"global_batch_size": 128, "hidden": 512, "hidden_layers": 3}, "x.pt")
+
+
 def test_keep_last_k(tmp_path):
     writer = CheckpointWriter(str(tmp_path), keep=2)
     for step in (10, 20, 30, 40):

@@ -856,7 +856,7 @@ def test_dev_shm_holds_every_ranks_snapshots_with_room_for_nccl(variant, variant
     c = container(trainer, "trainer")
     torchrun, program = torchrun_split(trainer_argv(trainer))
     config = parse_args(program)
-    params = sum(p.numel() * p.element_size() for p in build_model(config.hidden).parameters())
+    params = sum(p.numel() * p.element_size() for p in build_model(config.hidden, 0, config.hidden_layers).parameters())
     need = int(torchrun.nproc_per_node) * 3 * (3 * params) + 256 * 2**20
     if config.snapshot_every:
         m, volume = mount_for(trainer, c, "/dev/shm/x")

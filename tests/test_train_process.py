@@ -97,8 +97,20 @@ def test_checkpoint_of_another_config_is_refused_and_kept(small_mnist, tmp_path)
     run = run_train(_args(small_mnist, tmp_path, "c", "--max-steps", "6", "--hidden", "64"))
     assert run.returncode == exit_codes.PERMANENT and run.stderr.strip().count("\n") == 0
     assert "hidden 512 (checkpoint) vs 64 (now)" in run.stderr
+    deeper = run_train(_args(small_mnist, tmp_path, "c", "--max-steps", "6", "--hidden-layers", "2"))
+    assert deeper.returncode == exit_codes.PERMANENT and "hidden_layers 1 (checkpoint) vs 2 (now)" in deeper.stderr
     assert sorted(os.listdir(tmp_path / "c" / "ckpt")) == before
     assert checkpoint.load_latest(str(tmp_path / "c" / "ckpt"))[0]["step"] == 3
+
+
+def test_a_deeper_mlp_trains_and_resumes(small_mnist, tmp_path):
+    deep = ("--hidden", "48", "--hidden-layers", "3")
+    assert run_train(_args(small_mnist, tmp_path, "d", "--max-steps", "3", *deep)).returncode == 0
+    run = run_train(_args(small_mnist, tmp_path, "d", "--max-steps", "6", *deep))
+    assert run.returncode == 0, run.stderr
+    assert "[resume] step 3 " in run.stdout
+    weights = _final_weights(tmp_path, "d")
+    assert [tuple(w.shape) for w in weights.values() if w.dim() == 2] == [(48, 784), (48, 48), (48, 48), (10, 48)]
 
 
 def test_corrupt_latest_checkpoint_falls_back_and_training_continues(small_mnist, tmp_path):

@@ -325,9 +325,13 @@ def load_latest(directory: str, warn: Callable[[str], None] = print,
     return None
 
 
+# Fingerprint fields added after checkpoints were written, with the value such a checkpoint was trained with.
+_BEFORE_FIELD = {"hidden_layers": 1}
+
+
 def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
     """Refuse a checkpoint from another model shape, batch size, seed or data set."""
-    theirs = state.get("fingerprint", {})
+    theirs = {**_BEFORE_FIELD, **state.get("fingerprint", {})}
     diffs = [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in fingerprint.items() if theirs.get(k) != v]
     if diffs:
         raise UserError(

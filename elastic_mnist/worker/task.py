@@ -83,14 +83,15 @@ class Task:
 
 
 class MnistMLP(Task):
-    """The seed's MLP: 784-HIDDEN-ReLU-10 with log-softmax, trained with NLL and Adam."""
+    """The seed's MLP: 784-HIDDEN-ReLU-10 with log-softmax (more hidden layers with --hidden-layers), trained
+    with NLL and Adam."""
 
     name = "mnist-mlp"
 
     def build_model(self, config: TrainConfig) -> nn.Module:
         from elastic_mnist.worker.model import build_model
 
-        return build_model(config.hidden, config.seed)
+        return build_model(config.hidden, config.seed, config.hidden_layers)
 
 
 def lr_factor(step: int, horizon: int, hold: float | None) -> float:
