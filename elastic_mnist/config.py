@@ -216,6 +216,9 @@ def flag_name(field_name: str) -> str:
 # `dataset` is added by the trainer (training-set size and label hash), so a checkpoint trained on
 # another data set is refused too.
 FINGERPRINT_FIELDS = ("global_batch_size", "hidden", "hidden_layers", "seed", "lr", "lr_schedule")
+# Fingerprint fields added after jobs and checkpoints were made, with the value those were made with: a
+# checkpoint's fingerprint, or a running job's, that lacks one agrees with a node that has it at that value.
+FINGERPRINT_BEFORE = {"hidden_layers": 1}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -8,11 +8,12 @@ are named, the first node's fingerprint in the job's store is the job's, and a n
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from etcd_fixtures import rdzv_params
 
-from elastic_mnist.config import parse_args
+from elastic_mnist.config import FINGERPRINT_BEFORE, parse_args
 from elastic_mnist.contract.warm import WorkerPlan
 from elastic_mnist.rendezvous import _flags as job_flags
 from elastic_mnist.rendezvous.etcd_v3 import create_backend
@@ -49,6 +50,10 @@ def test_the_first_node_defines_the_job_and_another_configuration_is_refused(etc
                                "512); start this node with the job's flags"), line
         assert "\n" not in line and "new --rdzv-id" in line
         assert job_flags.refusal(store, first, "job-a") == "", "a refused node changed nothing"
+        older = {k: v for k, v in first.items() if k not in FINGERPRINT_BEFORE}
+        store.set(job_flags.FINGERPRINT_KEY, json.dumps(older, sort_keys=True))  # a job that began before a flag
+        assert job_flags.refusal(store, first, "job-a") == "", "a newer node at the flag's former value joins"
+        assert "--hidden-layers 2 (the job: 1)" in job_flags.refusal(store, {**first, "hidden_layers": 2}, "job-a")
         store.set(job_flags.FINGERPRINT_KEY, "not json")
         assert "is not one this runtime wrote" in job_flags.refusal(store, first, "job-a")
     finally:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from torch.distributed import Store
 
-from elastic_mnist.config import flag_name, parse_args
+from elastic_mnist.config import FINGERPRINT_BEFORE, flag_name, parse_args
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.contract.keys import FINGERPRINT_KEY
 from elastic_mnist.contract.warm import TRAIN_MODULE, WorkerPlan
@@ -44,7 +44,9 @@ def of_plan(plan: WorkerPlan | None) -> dict | None:
 
 
 def differing(mine: dict, job: dict) -> list[str]:
-    """`--flag mine (the job: theirs)` for every fingerprint flag whose values differ, in name order."""
+    """`--flag mine (the job: theirs)` for every fingerprint flag whose values differ, in name order. A flag
+    newer than the job's fingerprint counts as its value from before it (config.FINGERPRINT_BEFORE)."""
+    job = {**{k: v for k, v in FINGERPRINT_BEFORE.items() if k in mine}, **job}
     return [f"{flag_name(name)} {_shown(mine, name)} (the job: {_shown(job, name)})"
             for name in sorted(set(mine) | set(job)) if mine.get(name) != job.get(name)]
 
@@ -57,18 +59,23 @@ def refusal(store: Store, mine: dict, run_id: str) -> str:
     """"" when this node's fingerprint is the job's (or now defines it), else the one line refusing it."""
     ours = json.dumps(mine, sort_keys=True)
     current = store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace")  # set only where absent
-    if current == ours:
+    job = _parsed(current)
+    if current == ours or (job is not None and not differing(mine, job)):
         return ""
-    try:
-        job = json.loads(current)
-    except ValueError:
-        job = None
-    if not isinstance(job, dict):
+    if job is None:
         return (f"the job's configuration under {FINGERPRINT_KEY} in rendezvous {run_id}'s store is not one this "
                 "runtime wrote; start a new job with a new --rdzv-id")
     return (f"this node's flags differ from those job {run_id} trains with: {'; '.join(differing(mine, job))}; "
             "start this node with the job's flags, or another configuration as a new job with a new --rdzv-id "
             "(the job goes on without this node)")
+
+
+def _parsed(text: str) -> dict | None:
+    try:
+        job = json.loads(text)
+    except ValueError:
+        return None
+    return job if isinstance(job, dict) else None
 
 
 def keep_the_job_flags(store: Store, mine: dict) -> Layer:
@@ -80,8 +87,9 @@ def keep_the_job_flags(store: Store, mine: dict) -> Layer:
     def layer(inner: Methods, policy: AgentPolicy) -> Methods:
         def next_rendezvous():
             try:
-                if store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace") == ours:
-                    store.compare_set(FINGERPRINT_KEY, ours, ours)
+                current = store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace")
+                if current == ours or not differing(mine, _parsed(current) or {"": None}):
+                    store.compare_set(FINGERPRINT_KEY, current, current)  # the job's, as it wrote it
             except Exception as exc:  # noqa: BLE001 - keeping the key is best effort; the rendezvous says what is wrong
                 log.info("could not write the job's configuration again (%s)", exc)
             return inner.next_rendezvous()

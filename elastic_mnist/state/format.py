@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from elastic_mnist import files, volume
+from elastic_mnist.config import FINGERPRINT_BEFORE
 from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.state import publish
 
@@ -325,13 +326,9 @@ def load_latest(directory: str, warn: Callable[[str], None] = print,
     return None
 
 
-# Fingerprint fields added after checkpoints were written, with the value such a checkpoint was trained with.
-_BEFORE_FIELD = {"hidden_layers": 1}
-
-
 def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
     """Refuse a checkpoint from another model shape, batch size, seed or data set."""
-    theirs = {**_BEFORE_FIELD, **state.get("fingerprint", {})}
+    theirs = {**FINGERPRINT_BEFORE, **state.get("fingerprint", {})}
     diffs = [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in fingerprint.items() if theirs.get(k) != v]
     if diffs:
         raise UserError(
