@@ -18,6 +18,7 @@ from elastic_mnist.state.reshard import (
     holders,
     plan,
     reshard,
+    ring_copy,
     shard_rows,
 )
 
@@ -109,3 +110,19 @@ def test_real_processes_reshard_to_exactly_the_whole_tensors_rows(tmp_path, kind
         for name, t in whole.items():
             assert torch.equal(got["shards"][name], t[slice(*shard_rows(t.shape[0], new_world, rank))]), name
         assert got["sent"] <= total // 2  # a rank sends only rows that change hands, never the whole
+
+
+def _ring(rank: int, world: int, out_dir: str) -> None:
+    whole = _whole()
+    specs = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in SHAPES.items()}
+    mine = {name: t[slice(*shard_rows(t.shape[0], world, rank))] for name, t in whole.items()}
+    got = ring_copy(mine, specs, world, rank)
+    for name, t in whole.items():
+        assert torch.equal(got[name], t[slice(*shard_rows(t.shape[0], world, buddy_of(rank, world)))]), name
+    open(os.path.join(out_dir, f"ring-{rank}"), "w").close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_receives_its_ring_predecessors_rows(tmp_path, world):
+    run_group(_ring, world, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [f"ring-{r}" for r in range(world)]
