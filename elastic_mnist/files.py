@@ -16,6 +16,7 @@ error the temporary file is removed and the final name is untouched.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -57,6 +58,15 @@ def write_temp(directory: str, name: str, data: Data, mode: int = 0o644) -> str:
         os.unlink(tmp)
         raise
     return tmp
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def fsync_dir(directory: str) -> None:

@@ -32,19 +32,11 @@ import numpy as np
 import torch
 
 from elastic_mnist.contract.env import CACHE_DIR_ENV
-from elastic_mnist.files import atomic_write
+from elastic_mnist.files import atomic_write, sha256_of
 
 HEADER_BYTES = 4096
 FORMAT = "elastic-mnist-split-v1"
 SAMPLED_ROWS = 256  # rows compared against the raw file on every load: ~1 ms, catches a wrong payload
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def raw_identity(paths: list[Path], known: dict | None = None) -> dict:
@@ -55,7 +47,7 @@ def raw_identity(paths: list[Path], known: dict | None = None) -> dict:
         entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
         old = (known or {}).get(p.name) or {}
         same = {k: old.get(k) for k in entry} == entry and old.get("sha256")
-        out[p.name] = {**entry, "sha256": old["sha256"] if same else _sha256(p)}
+        out[p.name] = {**entry, "sha256": old["sha256"] if same else sha256_of(p)}
     return out
 
 

@@ -13,7 +13,6 @@ one process (`load_whole`: a sharded checkpoint read by a run that does not shar
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 
@@ -53,7 +52,7 @@ def _publish(directory: str, step: int, tmp: str, state: dict, key: bytes | None
     if os.path.lexists(path):
         shutil.rmtree(tmp)  # another writer completed this step first: its copy stays
         return False
-    digests = {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    digests = {name: files.sha256_of(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
     if os.path.isdir(final) and not os.path.islink(final):
         shutil.rmtree(final)  # a writer that died between its rename and its publish: never published
     os.rename(tmp, final)
@@ -70,14 +69,6 @@ def _shared_token(group) -> str:
     return f"{int(token[0]):016x}"
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verified_dir(directory: str, state: dict) -> str:
     """The shards directory of a decoded sharded checkpoint, once every file in it matches its sha256 (and
     none is missing or added); CheckpointError otherwise, with nothing read by DCP."""
@@ -89,7 +80,7 @@ def verified_dir(directory: str, state: dict) -> str:
     if found != sorted(listed["files"]):
         raise checkpoint.CheckpointError(f"{where}: holds {found}, its checkpoint lists {sorted(listed['files'])}")
     for name, digest in listed["files"].items():
-        if _sha256(os.path.join(where, name)) != digest:
+        if files.sha256_of(os.path.join(where, name)) != digest:
             raise checkpoint.CheckpointError(f"{where}/{name}: checksum mismatch (truncated or corrupt)")
     return where
 
