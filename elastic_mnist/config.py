@@ -221,6 +221,11 @@ FINGERPRINT_FIELDS = ("global_batch_size", "hidden", "hidden_layers", "seed", "l
 FINGERPRINT_BEFORE = {"hidden_layers": 1}
 
 
+def with_former_fields(fingerprint: dict) -> dict:
+    """A stored fingerprint (a job's, a checkpoint's) with each field newer than it at its former value."""
+    return {**FINGERPRINT_BEFORE, **fingerprint}
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each dataclass field, read from the source."""
     tree = ast.parse(inspect.getsource(cls))

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from torch.distributed import Store
 
-from elastic_mnist.config import FINGERPRINT_BEFORE, flag_name, parse_args
+from elastic_mnist.config import flag_name, parse_args, with_former_fields
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.contract.keys import FINGERPRINT_KEY
 from elastic_mnist.contract.warm import TRAIN_MODULE, WorkerPlan
@@ -45,8 +45,8 @@ def of_plan(plan: WorkerPlan | None) -> dict | None:
 
 def differing(mine: dict, job: dict) -> list[str]:
     """`--flag mine (the job: theirs)` for every fingerprint flag whose values differ, in name order. A flag
-    newer than the job's fingerprint counts as its value from before it (config.FINGERPRINT_BEFORE)."""
-    job = {**{k: v for k, v in FINGERPRINT_BEFORE.items() if k in mine}, **job}
+    newer than the job's fingerprint counts as its value from before it (config.with_former_fields)."""
+    job = {k: v for k, v in with_former_fields(job).items() if k in mine or k in job}
     return [f"{flag_name(name)} {_shown(mine, name)} (the job: {_shown(job, name)})"
             for name in sorted(set(mine) | set(job)) if mine.get(name) != job.get(name)]
 
@@ -88,7 +88,8 @@ def keep_the_job_flags(store: Store, mine: dict) -> Layer:
         def next_rendezvous():
             try:
                 current = store.compare_set(FINGERPRINT_KEY, "", ours).decode(errors="replace")
-                if current == ours or not differing(mine, _parsed(current) or {"": None}):
+                job = _parsed(current)
+                if current == ours or (job is not None and not differing(mine, job)):
                     store.compare_set(FINGERPRINT_KEY, current, current)  # the job's, as it wrote it
             except Exception as exc:  # noqa: BLE001 - keeping the key is best effort; the rendezvous says what is wrong
                 log.info("could not write the job's configuration again (%s)", exc)

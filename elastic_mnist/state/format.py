@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from elastic_mnist import files, volume
-from elastic_mnist.config import FINGERPRINT_BEFORE
+from elastic_mnist.config import with_former_fields
 from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.state import publish
 
@@ -328,7 +328,7 @@ def load_latest(directory: str, warn: Callable[[str], None] = print,
 
 def check_compatible(state: dict, fingerprint: dict, path: str) -> None:
     """Refuse a checkpoint from another model shape, batch size, seed or data set."""
-    theirs = {**FINGERPRINT_BEFORE, **state.get("fingerprint", {})}
+    theirs = with_former_fields(state.get("fingerprint", {}))
     diffs = [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in fingerprint.items() if theirs.get(k) != v]
     if diffs:
         raise UserError(

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from elastic_mnist.worker.step import PRECISIONS
 
 
 def mesh_of(group=None, device_type: str = "cpu") -> DeviceMesh:
@@ -29,7 +29,7 @@ def mesh_of(group=None, device_type: str = "cpu") -> DeviceMesh:
 def precision_policy(precision: str) -> MixedPrecisionPolicy:
     """--precision as FSDP2's policy: compute in bf16 or fp16, reduce gradients and keep the sharded
     parameters and the optimizer's state in fp32; fp32 changes nothing."""
-    dtype = _DTYPES[precision]
+    dtype = PRECISIONS[precision]
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
 
 
