@@ -202,7 +202,7 @@ def summarize(run_dir: Path, local: dict, samples: list[dict], etcd: list[dict])
 
 
 def _round_row(r: dict) -> dict:
-    keys = ("round", "time", "threads", "fds", "sockets", "rss_mb", "given_up", "gc_ms", "lost")
+    keys = ("round", "time", "threads", "fds", "sockets", "rss_mb", "given_up", "given_up_oldest_s", "gc_ms", "lost")
     return {k: r.get(k) for k in keys}
 
 
@@ -223,8 +223,13 @@ def growth(rows: list[dict], key: str) -> dict:
 
 
 def longest_hold_s(rows: list[dict]) -> float:
-    """The longest time a kept worker went on holding a given-up round's groups (round ends in time order): a
-    group whose collectives never end is held to the end of the run."""
+    """The longest a kept worker held one given-up round's groups: the oldest hold's age at each round end. Kills
+    closer together than the collective timeout overlap their holds, so without that age (older journals) this
+    is the longest run of rounds holding any, in time order; a group whose collectives never end is held to
+    the end of the run either way."""
+    ages = [r["given_up_oldest_s"] for r in rows if r.get("given_up_oldest_s") is not None]
+    if ages:
+        return round(max(ages), 1)
     longest, since = 0.0, None
     for r in rows:
         if r.get("given_up") and since is None:

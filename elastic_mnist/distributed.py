@@ -347,4 +347,5 @@ def bury(group) -> None:
 
 def held_groups() -> dict:
     """What this process still holds of rounds given up (journaled at each round's end)."""
-    return {"given_up": _GRAVEYARD.groups(), "given_up_in_flight": len(_GRAVEYARD) - _GRAVEYARD.groups()}
+    return {"given_up": _GRAVEYARD.groups(), "given_up_in_flight": len(_GRAVEYARD) - _GRAVEYARD.groups(),
+            "given_up_oldest_s": _GRAVEYARD.oldest_s()}

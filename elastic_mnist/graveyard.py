@@ -31,31 +31,38 @@ class Graveyard:
     def __init__(self) -> None:
         self.hold_s = 60.0 + RELEASE_MARGIN_S
         self.round = 0
-        self._rounds: dict[int, tuple[float, list]] = {}  # round -> (held until, what was given up)
+        self._rounds: dict[int, tuple[float, float, list]] = {}  # round -> (buried at, held until, what was given up)
         self._lock = threading.Lock()
 
     def bury(self, thing) -> None:
         with self._lock:
-            until, things = self._rounds.setdefault(self.round, (time.monotonic() + self.hold_s, []))
+            now = time.monotonic()
+            _, _, things = self._rounds.setdefault(self.round, (now, now + self.hold_s, []))
             things.append(thing)
 
     def reap(self) -> None:
         """Let go of every round of which no collective is still in flight, or that is past its hold."""
         now = time.monotonic()
         with self._lock:
-            due = [r for r, (until, things) in self._rounds.items()
+            due = [r for r, (_, until, things) in self._rounds.items()
                    if until <= now or all(_settled(t) for t in things)]
-            released = [self._rounds.pop(r)[1] for r in due]
+            released = [self._rounds.pop(r)[2] for r in due]
         if released:
             threading.Thread(target=released.clear, daemon=True, name=RELEASE_THREAD).start()
 
+    def oldest_s(self) -> float:
+        """How long the oldest round still held has been (0 when none is): a round is let go within its hold."""
+        with self._lock:
+            buried = [since for since, _, _ in self._rounds.values()]
+        return round(time.monotonic() - min(buried), 1) if buried else 0.0
+
     def groups(self) -> int:
         with self._lock:
-            return sum(not isinstance(t, dist.Work) for _, things in self._rounds.values() for t in things)
+            return sum(not isinstance(t, dist.Work) for _, _, things in self._rounds.values() for t in things)
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(things) for _, things in self._rounds.values())
+            return sum(len(things) for _, _, things in self._rounds.values())
 
 
 def _settled(thing) -> bool:

@@ -216,6 +216,11 @@ def test_the_soak_judges_the_floor_not_the_peaks_and_a_leak_misses():
     assert soak.growth(held, "threads")["growth"] == 0 and soak.longest_hold_s(held) == 18.0
     never_let_go = [{**r, "given_up": 3 if r["round"] >= 30 else 0} for r in held]
     assert soak.longest_hold_s(never_let_go) == 138.0 > soak.HOLD_LIMIT_S
+    # kills closer together than the timeout: some round is always held, but none longer than its timeout
+    overlapping = [{**r, "given_up": 3, "given_up_oldest_s": 2.0 * (r["round"] % 20)} for r in held]
+    assert soak.longest_hold_s(overlapping) == 38.0 <= soak.HOLD_LIMIT_S
+    stuck = [{**r, "given_up_oldest_s": 2.0 * max(0, r["round"] - 30)} for r in overlapping]
+    assert soak.longest_hold_s(stuck) == 138.0 > soak.HOLD_LIMIT_S
     rss = [{"round": i, "rss_mb": 500 + 0.5 * i} for i in range(100)]
     assert soak.rss_per_100(rss) == 50.0
     chaos = soak.schedule(5, hosts=True, gap=10)

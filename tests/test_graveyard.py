@@ -71,3 +71,18 @@ def test_a_round_lost_to_a_killed_peer_is_let_go_at_once():
 def test_a_round_whose_collective_still_waits_is_kept_until_it_ends():
     freed, before, after = _run("late")
     assert freed and before > 0 and after == 0
+
+
+def test_the_oldest_held_round_is_timed_from_its_burial(monkeypatch):
+    """The soak judges holds by this age: kills closer together than the timeout overlap their holds."""
+    clock = [100.0]
+    monkeypatch.setattr("elastic_mnist.graveyard.time.monotonic", lambda: clock[0])
+    graves = Graveyard()
+    assert graves.oldest_s() == 0.0
+    graves.bury(object())
+    clock[0], graves.round = 130.0, 1
+    graves.bury(object())
+    clock[0] = 140.0
+    assert graves.oldest_s() == 40.0 and len(graves) == 2
+    graves.reap()  # nothing of either is in flight: both go
+    assert graves.oldest_s() == 0.0 and len(graves) == 0 and drained()

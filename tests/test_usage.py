@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 
 from torch.distributed import TCPStore
 
@@ -37,3 +39,31 @@ def test_hosting_a_rounds_store_again_and_again_leaves_the_counts_where_the_firs
     grown = {k: again[k] - first[k] for k in ("fds", "sockets", "threads") if again[k] > first[k]}
     assert not grown, (grown, first, again, _links())
     assert _links().count("anon_inode:[io_uring]") <= 1, _links()  # one ring a process, however many rounds
+
+
+_HEAP_PROBE = r"""
+import ctypes, sys
+from elastic_mnist.usage import steady_heap
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype, libc.malloc.restype, libc.free.argtypes = Info, ctypes.c_void_p, [ctypes.c_void_p]
+if sys.argv[1] == "steady":
+    assert steady_heap()
+libc.free(libc.malloc(8 << 20))  # a large block freed: glibc, left alone, raises its threshold to its size
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(4 << 20)
+print(libc.mallinfo2().hblkhd - before)
+libc.free(block)
+"""
+
+
+def test_a_steady_heap_gives_every_large_block_a_mapping_of_its_own():
+    """glibc's own threshold follows the blocks freed, so that a 4 MiB block after a freed 8 MiB one comes from
+    the heap, where what a kept worker frees piles up; a steady heap maps it, and gives it back when freed."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    mapped = {how: int(subprocess.run([sys.executable, "-c", _HEAP_PROBE, how], env=env, check=True,
+                                      capture_output=True, text=True).stdout) for how in ("steady", "left")}
+    assert mapped["steady"] >= 4 << 20 and mapped["left"] == 0, mapped

@@ -44,7 +44,7 @@ from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import cpu_snapshot
-from elastic_mnist.usage import trim_heap, usage
+from elastic_mnist.usage import steady_heap, trim_heap, usage
 from elastic_mnist.worker.build import Process, build_process, build_round
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.control import threads_ended as control_threads_ended
@@ -101,6 +101,7 @@ class Life:
     def _build(self) -> None:
         """Once per process; a stop meanwhile ends it at once (nothing is loaded yet)."""
         local_rank, local_world = distributed.read_local()
+        steady_heap()  # before the rounds' large blocks come and go (usage.py)
         with self.stop.leave_at_once("during the worker's start-up"):
             pay_startup_cost(self.config.startup_cost, self.stop)
             self.marks["startup_cost"] = time.time()

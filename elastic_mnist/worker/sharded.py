@@ -11,6 +11,8 @@ wrapped for the new mesh and takes its rows (`load_rows`). What a rank holds bet
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,3 +97,30 @@ def load_rows(model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict[str
                       for k, v in replicated.items() if k.rsplit(".", 1)[0] == name})
         if state:
             optimizer.state[p] = state
+
+
+class ShardedParallel:
+    """parallel.DataParallel's counterpart for a model `fully_shard` wrapped (worker/step.py's replicas):
+    FSDP2 reduce-scatters the gradient in backward, divided by the world size as DDP's all-reduce is, so
+    every rank's .grad holds its rows of the gradient averaged over the ranks once backward returns."""
+
+    uses_ddp = False
+
+    def __init__(self, model: nn.Module, world_size: int) -> None:
+        self.module, self.world_size = model, world_size
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward without the reduce-scatter (gradient accumulation's early micro-batches): FSDP2 keeps the
+        unsharded gradient until the last micro-batch's backward reduces the sum."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def average_gradients(self) -> None:
+        """Done in backward."""
