@@ -122,3 +122,15 @@ def test_a_closed_writer_ends_its_thread_and_a_later_save_still_writes(tmp_path)
     writer.close()
     state, path = checkpoint.load_latest(str(tmp_path))
     assert path.endswith("ckpt-000000002.pt") and state["step"] == 2
+
+
+def test_a_checkpoint_removed_while_the_directory_is_checked_is_not_foreign(tmp_path, monkeypatch):
+    """Another writer's keep-k may remove a checkpoint of ours between the listing and the read of its header
+    (a joining node checks the directory while the job trains): what is gone is nobody's, what is planted stays
+    foreign. The listing is pinned here, since real processes cannot hit that window at will."""
+    planted = tmp_path / "ckpt-000000010.pt"
+    planted.write_bytes(b"not ours")
+    listed = checkpoint.list_checkpoints(str(tmp_path))
+    gone = str(tmp_path / "ckpt-000000370.pt")  # listed, then removed before its header was read
+    monkeypatch.setattr(checkpoint, "list_checkpoints", lambda directory: [(370, gone), *listed])
+    assert checkpoint.foreign_files(str(tmp_path)) == [str(planted)]

@@ -230,8 +230,10 @@ def written_here(path: str) -> bool:
 
 
 def foreign_files(directory: str) -> list[str]:
-    """Files under checkpoint names that this runtime did not write (another program's, or a planted one)."""
-    return [path for _, path in list_checkpoints(directory) if not written_here(path)]
+    """Files under checkpoint names that this runtime did not write (another program's, or a planted one). A
+    file gone between the listing and its read is none: another writer's keep-k removed a checkpoint of ours
+    (called foreign, it would refuse a joining node, and with shared storage end the job)."""
+    return [path for _, path in list_checkpoints(directory) if not written_here(path) and os.path.lexists(path)]
 
 
 def key_mismatch(path: str, key: bytes | None) -> str | None:
