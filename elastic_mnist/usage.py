@@ -73,21 +73,21 @@ def steady_heap() -> bool:
     (MALLOC_MMAP_THRESHOLD_) is left as it is. True when set here."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    try:
-        import ctypes
-
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):  # not glibc
-        return False
+    return bool(_glibc("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def trim_heap() -> None:
     """Hand the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). What a round
     freed stays in the allocator's arenas otherwise, so a kept worker's RSS would show its largest round,
     not what it holds."""
+    _glibc("malloc_trim", 0)
+
+
+def _glibc(name: str, *args: int) -> int:
+    """glibc's allocator function `name` called with `args`; 0 where the C library is not glibc."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return getattr(ctypes.CDLL("libc.so.6"), name)(*args)
     except (OSError, AttributeError):  # not glibc
-        pass
+        return 0
