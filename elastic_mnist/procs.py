@@ -111,21 +111,23 @@ def alive(pid: int) -> bool:
 
 
 def children() -> dict[int, list[int]]:
-    """ppid -> pids of every live process."""
+    """ppid -> pids of every live process (not a zombie: its children were handed on when it exited)."""
     tree: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (ppid := proc_ppid(int(entry))) is not None:
-            tree.setdefault(ppid, []).append(int(entry))
+        if entry.isdigit() and (fields := _stat_fields(int(entry))) is not None and fields[0] != "Z":
+            tree.setdefault(int(fields[1]), []).append(int(entry))
     return tree
 
 
-def descendants(root: int) -> list[int]:
-    """root and every live process below it (workers may sit in sessions of their own)."""
-    tree, out, todo = children(), [], [root]
+def descendants(root: int, tree: dict[int, list[int]] | None = None) -> list[int]:
+    """root and every live process below it (workers may sit in sessions of their own). `tree`: one
+    `children()` read for several roots (each read opens every process's stat file)."""
+    tree = children() if tree is None else tree
+    out = [root] if alive(root) else []
+    todo = list(tree.get(root, []))
     while todo:
         pid = todo.pop()
-        if alive(pid):
-            out.append(pid)
+        out.append(pid)
         todo += tree.get(pid, [])
     return out
 

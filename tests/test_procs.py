@@ -47,3 +47,31 @@ def test_a_best_effort_console_survives_closed_pipes_to_the_interpreter_exit():
     finally:
         os.close(write_end)
     assert run.returncode == 7, "the exit code the program chose: no BrokenPipeError, no failed flush at exit"
+
+
+def test_one_read_of_proc_gives_each_roots_live_tree_without_zombies():
+    """The launcher reads /proc once for all its nodes: each root's tree from that one read is the one a read
+    of its own gives, and a child that exited unreaped (a zombie) is in neither."""
+    # `sh` forks `true`, then becomes `sleep`, which never reaps it: a zombie under a live root
+    zombie_parent = subprocess.Popen(["sh", "-c", "true & exec sleep 60"], start_new_session=True)
+    pair = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        procs.wait_for(lambda: any(procs.proc_state(p) == "Z" for p in _all_children_of(zombie_parent.pid)), 30,
+                       "the unreaped child a zombie")
+        procs.wait_for(lambda: len(procs.descendants(pair.pid)) == 2, 30, "the shell and its child")
+        tree = procs.children()
+        assert procs.descendants(zombie_parent.pid, tree) == procs.descendants(zombie_parent.pid) == [
+            zombie_parent.pid]
+        assert sorted(procs.descendants(pair.pid, tree)) == sorted(procs.descendants(pair.pid))
+        assert len(procs.descendants(pair.pid, tree)) == 2
+    finally:
+        for proc in (zombie_parent, pair):
+            procs.signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _all_children_of(parent: int) -> list[int]:
+    """Every process whose parent is `parent`, zombies included (what `children()` leaves out)."""
+    import os
+
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and procs.proc_ppid(int(p)) == parent]

@@ -30,7 +30,7 @@ from elastic_mnist.local import chaos, hosts, trace
 from elastic_mnist.local.flags import RUN_DIR_MARK, parse
 from elastic_mnist.local.live import STUCK_S, LiveView, read_rendezvous, stuck_line
 from elastic_mnist.local.nodes import Node, restart_delay, shutdown_all
-from elastic_mnist.procs import alive, child_env, torchrun_command
+from elastic_mnist.procs import alive, child_env, children, torchrun_command
 from elastic_mnist.runlog import RunTail
 from elastic_mnist.state import snapshots
 
@@ -126,8 +126,11 @@ class Launcher:
     def loop(self) -> None:
         while True:
             self.view.show(self.tail.poll_events())
+            # Remember worker pids for the orphan check: one read of /proc for all nodes, ten times a second,
+            # on the cores the job trains and recovers on.
+            pids = children()
             for node in list(self.nodes.values()):
-                node.tree()  # remember worker pids for the orphan check
+                node.tree(pids)
                 self.supervise(node, time.time())
             # From what supervise() saw, not a fresh poll: a node that exits right now is noted next round.
             if self.replay.over() if self.replay else all(

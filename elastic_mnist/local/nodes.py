@@ -70,11 +70,12 @@ class Node:
     def log_path(self) -> str:
         return os.path.join(self.run_dir, "nodes", f"{self.name}.log")
 
-    def tree(self) -> list[int]:
-        """The agent and its live descendants (workers run in sessions of their own)."""
+    def tree(self, pids: dict[int, list[int]] | None = None) -> list[int]:
+        """The agent and its live descendants (workers run in sessions of their own); `pids`: a
+        `procs.children()` read once for every node."""
         if self.proc is None:
             return []
-        out = descendants(self.proc.pid)
+        out = descendants(self.proc.pid, pids)
         self.seen_pids.update(out)
         return out
 
