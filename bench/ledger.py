@@ -54,6 +54,8 @@ class Ledger:
             if not entry.isdigit():
                 continue
             pid = int(entry)
+            if pid in self._seen and self._seen[pid] is None:
+                continue  # not one of ours: read once (reading every stat file would cost the cores it measures)
             stat = _stat(pid)
             if stat is None:
                 continue

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-from bench import elastic, report
+from bench import elastic, report, teardown
 from bench.fmt import sec
 from bench.ledger import Ledger
 from bench.machine import one_line
@@ -42,7 +42,8 @@ def cases() -> list[tuple[int, str, str]]:
 def measure(runner: Runner, data_dir: str) -> dict:
     s = Settings(mode="scale", data_dir=data_dir, repeats=1, steps=0, global_batch_size=128, timeout_s=300.0)
     train = ["--max-steps", "100000", "--min-step-time", "0.05", "--collective-timeout", "20", "--end-after-chaos"]
-    rows = []
+    rows, closes = [], teardown.measure()
+    log(f"scale: a SIGKILLed process's sockets close after {closes} ms (by MB resident)")
     for nodes, kind, node in cases():
         chaos = f"{kind}:{node}@step={FAULT_STEP}" if node else f"{kind}@step={FAULT_STEP}"
         max_nodes = nodes + 1 if kind == "join" else nodes
@@ -60,7 +61,7 @@ def measure(runner: Runner, data_dir: str) -> dict:
                "breakdown": event.get("breakdown"), "command": run["command"], **_cpu(ledger, event)}
         log(f"  stall {sec(row['stall_s'])}, redone {row['steps_redone']}, {row['breakdown']}")
         rows.append(row)
-    return {"rows": rows}
+    return {"rows": rows, "teardown_ms": closes}
 
 
 def _cpu(ledger: Ledger, event: dict) -> dict:
@@ -74,6 +75,15 @@ def _cpu(ledger: Ledger, event: dict) -> dict:
             "ledger_cpu_s": round(ledger.own_cpu_s, 2)}
 
 
+def _teardown_line(closes: dict | None) -> list[str]:
+    if not closes:
+        return []
+    small, large = sorted(closes, key=int)[0], sorted(closes, key=int)[-1]
+    return ["", f"A SIGKILLed process's connections end {closes[large]:.0f} ms after the signal with {large} MB "
+            f"resident, {closes[small]:.0f} ms with {small} MB (bench/teardown.py): a killed worker's peers learn "
+            "of it no sooner."]
+
+
 def _phase(row: dict, key: str) -> str:
     b = row.get("breakdown") or {}
     return sec(b.get(key)) if b.get(key) is not None else ""
@@ -81,7 +91,7 @@ def _phase(row: dict, key: str) -> str:
 
 def render(result: dict) -> str:
     lines = [f"Measured {result['finished_at']} ({result['wall_s']:.0f} s) on: {one_line(result['machine'])}. "
-             f"Tree: {result['provenance']['describe']}.", "",
+             f"Tree: {result['provenance']['describe']}.", *_teardown_line(result.get("teardown_ms")), "",
              "| nodes | change | node | stall | detection | rendezvous | steps redone | cores busy | stand-ins' CPU "
              "| agents' CPU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

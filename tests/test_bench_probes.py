@@ -1,7 +1,8 @@
-"""The scale bench's CPU ledger with real processes: a process that spins is charged to its role for the
-time it spun, a window before it started charges nothing, and a fork of a "warm" process is its worker.
+"""The scale bench's probes with real processes. The CPU ledger: a process that spins is charged to its role
+for the time it spun, a window before it started charges nothing, and a fork of a "warm" process is its
+worker. The teardown probe: a killed process's connection ends, later the more memory it held.
 
-    python -m pytest -q tests/test_cpu_ledger.py
+    python -m pytest -q tests/test_bench_probes.py
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import textwrap
 import time
 
 from bench.ledger import Ledger
+from bench.teardown import socket_close_ms
 
 SPIN = textwrap.dedent("""
     import os, sys, time
@@ -59,3 +61,8 @@ def test_a_spinning_process_is_charged_to_its_role_and_only_inside_the_window():
     assert used.get("warm", 0) < 0.3, f"the fork's CPU is its own, not its parent's: {used}"
     assert ledger.window(before - 10, before - 5) == {}, "nothing ran then"
     assert 0 < ledger.own_cpu_s < after - before
+
+
+def test_a_killed_process_closes_its_connection_after_its_memory_is_gone():
+    small, large = socket_close_ms(0), socket_close_ms(512)
+    assert 0 < small < large < 5000, (small, large)
