@@ -100,6 +100,7 @@ def _after_join(rank: int, world: int, out_dir: str) -> None:
     torch.save({"shards": shards, "sent": sent}, os.path.join(out_dir, f"join-{rank}.pt"))
 
 
+@pytest.mark.slow  # 3-8 s each (real processes, FSDP): the slow tier keeps the fast one under three minutes on 2 cores
 @pytest.mark.parametrize("kind,fn,new_world", [("kill", _after_kill, 2), ("join", _after_join, 3)])
 def test_real_processes_reshard_to_exactly_the_whole_tensors_rows(tmp_path, kind, fn, new_world):
     run_group(fn, 3, str(tmp_path))
@@ -122,6 +123,7 @@ def _ring(rank: int, world: int, out_dir: str) -> None:
     open(os.path.join(out_dir, f"ring-{rank}"), "w").close()
 
 
+@pytest.mark.slow  # 3-8 s each (real processes, FSDP): the slow tier keeps the fast one under three minutes on 2 cores
 @pytest.mark.parametrize("world", [2, 3])
 def test_each_rank_receives_its_ring_predecessors_rows(tmp_path, world):
     run_group(_ring, world, str(tmp_path))

@@ -6,6 +6,7 @@ and the next step of both is identical too."""
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -117,6 +118,7 @@ def _joined(rank: int, world: int, out_dir: str) -> None:
         torch.save(before, os.path.join(out_dir, f"before-{rank}.pt"))
 
 
+@pytest.mark.slow  # 3-8 s each (real processes, FSDP): the slow tier keeps the fast one under three minutes on 2 cores
 def test_a_joiner_receives_only_its_rows_and_the_state_is_unchanged(tmp_path):
     run_group(_joined, 3, str(tmp_path))
     before = torch.load(tmp_path / "before-0.pt")
@@ -126,6 +128,7 @@ def test_a_joiner_receives_only_its_rows_and_the_state_is_unchanged(tmp_path):
         assert all(torch.equal(after[k], before[k]) for k in before)
 
 
+@pytest.mark.slow  # 3-8 s each (real processes, FSDP): the slow tier keeps the fast one under three minutes on 2 cores
 def test_a_reshard_after_a_kill_equals_a_dcp_save_loaded_at_the_new_size(tmp_path):
     run_group(_member, 3, str(tmp_path))
     sent = [int((tmp_path / f"ok-{r}").read_text()) for r in range(2)]

@@ -9,6 +9,7 @@ gathered weights agree to float tolerance.
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 from gloo_group import run_group
 
@@ -46,6 +47,7 @@ def _member(rank: int, world: int, out_dir: str) -> None:
                 "sharded_weights": gathered}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow  # 3-8 s each (real processes, FSDP): the slow tier keeps the fast one under three minutes on 2 cores
 def test_a_sharded_step_trains_as_the_replicated_step(tmp_path):
     run_group(_member, 2, str(tmp_path))
     for rank in range(2):
