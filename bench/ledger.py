@@ -20,6 +20,8 @@ ROLES = (("agent", "torch.distributed.run"), ("stand-in", "elastic_mnist.train")
          ("etcd", "etcd"), ("warm", "elastic_mnist.warm.server"))
 """(role, a word of its command line), first match wins; a warm process's forks are its workers."""
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+SETTLE_LOOKS = 4
+"""Samples in which a process's command line is read again: its role is settled once it has surely exec'd."""
 
 
 class Ledger:
@@ -28,6 +30,7 @@ class Ledger:
     def __init__(self, roles=ROLES, interval_s: float = INTERVAL_S) -> None:
         self._roles, self._interval = roles, interval_s
         self._seen: dict[int, str | None] = {}  # pid -> role (None: not one of ours)
+        self._looks: dict[int, int] = {}  # pid -> how often its command line was read (SETTLE_LOOKS at most)
         self._samples: dict[int, list[tuple[float, int]]] = {}  # pid -> [(time, cpu ticks)]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-ledger", daemon=True)
@@ -54,14 +57,15 @@ class Ledger:
             if not entry.isdigit():
                 continue
             pid = int(entry)
-            if pid in self._seen and self._seen[pid] is None:
-                continue  # not one of ours: read once (reading every stat file would cost the cores it measures)
+            looks = self._looks.get(pid, 0)
+            if looks >= SETTLE_LOOKS and self._seen[pid] is None:
+                continue  # not one of ours (reading every stat file each time would cost the cores it measures)
             stat = _stat(pid)
             if stat is None:
                 continue
             ppid, ticks = stat
-            if pid not in self._seen:
-                self._seen[pid] = self._role(pid, ppid)
+            if looks < SETTLE_LOOKS:  # between its fork and its exec a process shows its parent's command line
+                self._seen[pid], self._looks[pid] = self._role(pid, ppid), looks + 1
             if self._seen[pid] is not None:
                 self._samples.setdefault(pid, []).append((now, ticks))
 
@@ -78,7 +82,8 @@ class Ledger:
     def window(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds each role used between t0 and t1 (as sampled: within INTERVAL_S of each end)."""
         out: dict[str, float] = {}
-        for pid, samples in self._samples.items():
+        for pid, samples in list(self._samples.items()):  # a copy: the sampler adds processes meanwhile
+            samples = list(samples)
             before = [ticks for t, ticks in samples if t <= t0]
             upto = [ticks for t, ticks in samples if t <= t1]
             if not upto:
