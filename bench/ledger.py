@@ -5,8 +5,8 @@ waiting or as crowding (every core busy).
     python -m bench --scale-only --data-dir ../shared/data     # each row's CPU while it stalled
 
 A sampler thread in the bench process reads every process's stat file each INTERVAL_S; a process is
-charged from its first sample (one born in a window counts from zero). Its own cost is reported beside the
-roles: it runs on the cores it measures.
+charged from its first sample (one born in a window counts from zero). Its own CPU goes into the JSON beside
+the roles' (`ledger_cpu_s`): it runs on the cores it measures.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+
+from elastic_mnist.procs import stat_fields
 
 INTERVAL_S = 0.05
 ROLES = (("agent", "torch.distributed.run"), ("stand-in", "elastic_mnist.train"), ("launcher", "elastic_mnist local"),
@@ -90,15 +92,11 @@ class Ledger:
                 continue
             used = (upto[-1] - (before[-1] if before else 0)) * TICK_S
             if used > 0:
-                out[self._seen[pid]] = round(out.get(self._seen[pid], 0.0) + used, 3)
-        return out
+                out[self._seen[pid]] = out.get(self._seen[pid], 0.0) + used
+        return {role: round(used, 3) for role, used in out.items()}
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
     """(parent pid, user + system CPU ticks) of a process, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), int(fields[11]) + int(fields[12])
+    fields = stat_fields(pid)
+    return None if fields is None else (int(fields[1]), int(fields[11]) + int(fields[12]))

@@ -71,7 +71,8 @@ def _cpu(ledger: Ledger, event: dict) -> dict:
         return {}
     first = event["time"] + event["recovery_s"]
     used = ledger.window(first - event["stall_s"], first)
-    return {"cpu_s": used, "cpu_busy": round(sum(used.values()) / (os.cpu_count() * event["stall_s"]), 2),
+    cores = len(os.sched_getaffinity(0))  # the cores this run may use, not the machine's
+    return {"cpu_s": used, "cpu_busy": round(sum(used.values()) / (cores * event["stall_s"]), 2),
             "ledger_cpu_s": round(ledger.own_cpu_s, 2)}
 
 

@@ -29,10 +29,12 @@ time.sleep(600)
 def socket_close_ms(resident_mb: int) -> float:
     """Milliseconds from SIGKILL to the end of a TCP connection, for a process with this much memory."""
     with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(60)  # a child that dies before it connects (no memory for its block) fails, not hangs
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(resident_mb), str(server.getsockname()[1])])
         try:
             conn, _ = server.accept()
             with conn:
+                conn.settimeout(60)
                 conn.recv(1)
                 start = time.perf_counter()
                 child.send_signal(signal.SIGKILL)

@@ -78,7 +78,7 @@ def die_with_parent_preexec(sig: int = signal.SIGKILL) -> Callable[[], None] | N
     return preexec
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def stat_fields(pid: int) -> list[str] | None:
     """/proc/PID/stat after the command name (which may hold spaces and parentheses)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -89,18 +89,18 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def proc_state(pid: int) -> str | None:
     """One-letter state (R, S, T, Z, ...) or None when there is no such process."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields[0] if fields else None
 
 
 def proc_ppid(pid: int) -> int | None:
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return int(fields[1]) if fields else None
 
 
 def start_ticks(pid: int) -> int | None:
     """When the process started, in clock ticks since boot (/proc/PID/stat field 22)."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return int(fields[19]) if fields else None
 
 
@@ -111,10 +111,10 @@ def alive(pid: int) -> bool:
 
 
 def children() -> dict[int, list[int]]:
-    """ppid -> pids of every live process (not a zombie: its children were handed on when it exited)."""
+    """ppid -> pids of every process, zombies too (a leader whose other threads run shows Z, and has children)."""
     tree: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat_fields(int(entry))) is not None and fields[0] != "Z":
+        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None:
             tree.setdefault(int(fields[1]), []).append(int(entry))
     return tree
 
@@ -122,12 +122,11 @@ def children() -> dict[int, list[int]]:
 def descendants(root: int, tree: dict[int, list[int]] | None = None) -> list[int]:
     """root and every live process below it (workers may sit in sessions of their own). `tree`: one
     `children()` read for several roots (each read opens every process's stat file)."""
-    tree = children() if tree is None else tree
-    out = [root] if alive(root) else []
-    todo = list(tree.get(root, []))
+    tree, out, todo = children() if tree is None else tree, [], [root]
     while todo:
         pid = todo.pop()
-        out.append(pid)
+        if alive(pid):
+            out.append(pid)
         todo += tree.get(pid, [])
     return out
 

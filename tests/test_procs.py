@@ -56,8 +56,8 @@ def test_one_read_of_proc_gives_each_roots_live_tree_without_zombies():
     zombie_parent = subprocess.Popen(["sh", "-c", "true & exec sleep 60"], start_new_session=True)
     pair = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
     try:
-        procs.wait_for(lambda: any(procs.proc_state(p) == "Z" for p in _all_children_of(zombie_parent.pid)), 30,
-                       "the unreaped child a zombie")
+        procs.wait_for(lambda: any(procs.proc_state(p) == "Z" for p in procs.children().get(zombie_parent.pid, [])),
+                       30, "the unreaped child a zombie")
         procs.wait_for(lambda: len(procs.descendants(pair.pid)) == 2, 30, "the shell and its child")
         tree = procs.children()
         assert procs.descendants(zombie_parent.pid, tree) == procs.descendants(zombie_parent.pid) == [
@@ -69,9 +69,3 @@ def test_one_read_of_proc_gives_each_roots_live_tree_without_zombies():
             procs.signal_tree(proc.pid, signal.SIGKILL)
             proc.wait()
 
-
-def _all_children_of(parent: int) -> list[int]:
-    """Every process whose parent is `parent`, zombies included (what `children()` leaves out)."""
-    import os
-
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and procs.proc_ppid(int(p)) == parent]
