@@ -23,15 +23,12 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
-import shutil
 import signal
 import stat
 import sys
-import tempfile
 import threading
 import time
 from contextlib import suppress
-from typing import NoReturn
 
 from elastic_mnist import files, procs
 from elastic_mnist.contract import exit_codes
@@ -57,6 +54,9 @@ def create(environ=os.environ) -> str:
     holds a lock on a file in it for its lifetime: the directories of agents that were killed (no exit
     handler ran) are removed by the next agent of this user on this machine, whatever pid namespace each
     runs in (a pid says nothing across them; a lock does)."""
+    import shutil  # here and below, not at the top: every stand-in imports this module, and needs neither
+    import tempfile
+
     parent = tempfile.gettempdir()
     sweep_dead(parent)
     name = f"{PREFIX}{os.getpid()}-{procs.start_ticks(os.getpid())}-"
@@ -74,6 +74,8 @@ def create(environ=os.environ) -> str:
 
 def sweep_dead(parent: str) -> list[str]:
     """Remove this user's agent directories under `parent` whose agent is gone (nobody holds its lock)."""
+    import shutil
+
     removed = []
     try:
         names = [n for n in os.listdir(parent) if n.startswith(PREFIX)]
@@ -189,8 +191,8 @@ def take_round_over(where: str) -> bool:
         return False
 
 
-def end_process(code: int, environ=os.environ, stopped: bool = False) -> NoReturn:
-    """Exit with `code`. A process its etcd-v3 agent started, whose round ended for a membership change
+def end_process(code: int, environ=os.environ, stopped: bool = False) -> None:
+    """Exit with `code` (never returns). A process its etcd-v3 agent started, whose round ended for a membership change
     (RESTART), first leaves ROUND_OVER for the agent and waits until the agent takes it (or stops it).
     `stopped`: a stop signal already came (the agent is stopping its workers, or the node ends): no wait."""
     with suppress(Exception):  # a closed or broken pipe must not keep the process alive

@@ -16,10 +16,8 @@ error the temporary file is removed and the final name is untouched.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
-import secrets
 import stat
 import threading
 from collections.abc import Iterable
@@ -45,7 +43,7 @@ def _chunks(data: Data) -> Iterable[Chunk]:
 def write_temp(directory: str, name: str, data: Data, mode: int = 0o644) -> str:
     """data, fsynced, under a new hidden name next to `name` in directory; the caller publishes it.
     The random part keeps a temp file a crashed writer (same pid, same thread id) left from blocking us."""
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}-{random_suffix()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         os.fchmod(fd, mode)  # the umask must not narrow it: a shared data dir's cache is read by others
@@ -60,8 +58,14 @@ def write_temp(directory: str, name: str, data: Data, mode: int = 0o644) -> str:
     return tmp
 
 
+def random_suffix() -> str:
+    return os.urandom(4).hex()
+
+
 def sha256_of(path: str | os.PathLike) -> str:
     """The hex sha256 of a file's bytes, read in chunks."""
+    import hashlib  # here: its OpenSSL start costs every stand-in (agent_link imports this module) ~5 ms of CPU
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

@@ -14,13 +14,9 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar
 
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.env import AGENT_ONLY, agent_pid
-
-T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 _LINUX = sys.platform.startswith("linux")
@@ -157,14 +153,14 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_",
                                                                      "ROLE_", "TORCHELASTIC", "MASTER_"))
            and k not in AGENT_ONLY}  # what an agent hands its own workers: never a test's child
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05) -> object:
     """Poll a cheap predicate until it returns something truthy; TimeoutError naming `what` after the
     deadline. For conditions no file descriptor can signal (a line in a log another process writes)."""
     deadline = time.monotonic() + timeout_s

@@ -39,7 +39,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
 def test_a_symlink_in_place_of_the_temp_name_is_not_followed(tmp_path, monkeypatch):
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
-    monkeypatch.setattr(files.secrets, "token_hex", lambda n: "fixed")
+    monkeypatch.setattr(files, "random_suffix", lambda: "fixed")
     planted = tmp_path / f".f.tmp-{os.getpid()}-{files.threading.get_ident()}-fixed"
     planted.symlink_to(victim)
     with pytest.raises(FileExistsError):

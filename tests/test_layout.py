@@ -332,11 +332,9 @@ def warm_messages_by_hand(package: Path = PACKAGE) -> list[str]:
     """The warm wire read or written as dicts outside contract/warm.py: in warm/, a dict keyed by a message's kind
     or a kind looked up (x["end"], x.get("end"), "end" in x); anywhere, a request built by hand (a dict with
     three or more of its fields)."""
-    from dataclasses import fields
-
     from elastic_mnist.contract import warm
 
-    kinds, request = set(warm.MESSAGE_KINDS), {f.name for f in fields(warm.Request)}
+    kinds, request = set(warm.MESSAGE_KINDS), set(warm.Request.FIELDS)
 
     def key(node) -> str | None:
         return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None

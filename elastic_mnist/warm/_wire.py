@@ -133,15 +133,15 @@ def _check_values(request: Request) -> str:
     return ""
 
 
-def request_from_here(preload: tuple[str, ...], started: float, process_settings: dict) -> Request:
-    """This process's command as a request: what a warm child needs to become it."""
+def request_from_here(preload: tuple[str, ...], started: float, process_settings: dict, token: str = "") -> Request:
+    """This process's command as a request: what a warm child needs to become it (`token`: its agent's)."""
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     target = {"module": spec.name} if spec is not None else {"path": os.path.abspath(main.__file__)}
     return Request(exe=sys.executable, version=sys.version, argv=list(sys.argv), path=list(sys.path), cwd=os.getcwd(),
                    env=dict(os.environ), target=target, preload=list(preload), started=started,
                    unbuffered=bool(getattr(sys.stdout, "write_through", False)),  # python -u, $PYTHONUNBUFFERED
-                   settings=process_settings)
+                   settings=process_settings, token=token)
 
 
 def peer(sock: socket.socket) -> tuple[int, int]:

@@ -16,7 +16,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import replace
 
 from elastic_mnist import agent_link, procs
 from elastic_mnist.contract import exit_codes
@@ -87,7 +86,7 @@ def handoff(preload: tuple[str, ...] = ()) -> None:
     try:
         sock.settimeout(REPLY_TIMEOUT_S)
         sock.connect(address)
-        request = replace(_wire.request_from_here(preload, started, settings.capture()), token=token)
+        request = _wire.request_from_here(preload, started, settings.capture(), token)
         if _wire.send_request(sock, request, _wire.STDIO):
             first, _ = _wire.receive(sock)
     except (OSError, EOFError, _wire.WireError):

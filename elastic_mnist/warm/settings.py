@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import resource
 
 from elastic_mnist.warm import confine
 
 LIMITS = sorted(name for name in dir(resource) if name.startswith("RLIMIT_"))
 KEYS = ("affinity", "nice", "umask", "rlimits", "sched", "ioprio", "oom_score_adj", "no_new_privs", "confined")
-_IOPRIO = {"x86_64": (251, 252), "aarch64": (30, 31)}.get(platform.machine())  # ioprio_set, ioprio_get
+_IOPRIO = {"x86_64": (251, 252), "aarch64": (30, 31)}.get(os.uname().machine)  # ioprio_set, ioprio_get
 _IOPRIO_WHO_PROCESS, _PR_SET_NO_NEW_PRIVS, _PR_GET_NO_NEW_PRIVS = 1, 38, 39
 _OOM = "/proc/self/oom_score_adj"
 _MAX_CPU = 8192  # the largest CONFIG_NR_CPUS
