@@ -1,6 +1,7 @@
 """The scale bench's probes with real processes. The CPU ledger: a process that spins is charged to its role
 for the time it spun, a window before it started charges nothing, and a fork of a "warm" process is its
-worker. The teardown probe: a killed process's connection ends, later the more memory it held.
+worker. The teardown probe: a killed process's connection ends, later the more memory it held. The stand-in
+probe: a process is charged the CPU it used, and one that fails is an error, not a number.
 
     python -m pytest -q tests/test_bench_probes.py
 """
@@ -12,7 +13,10 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from bench.ledger import Ledger
+from bench.stand_in import cpu_ms
 from bench.teardown import socket_close_ms
 
 SPIN = textwrap.dedent("""
@@ -68,3 +72,10 @@ def test_a_spinning_process_is_charged_to_its_role_and_only_inside_the_window():
 def test_a_killed_process_closes_its_connection_after_its_memory_is_gone():
     small, large = socket_close_ms(0), socket_close_ms(256)
     assert 0 < small < large < 5000, (small, large)
+
+
+def test_the_stand_in_probe_charges_a_process_its_cpu_and_refuses_a_failed_one():
+    spun = cpu_ms("import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass", None)
+    assert 300 <= spun < 3000
+    with pytest.raises(RuntimeError, match="exited 3"):
+        cpu_ms("raise SystemExit(3)", None)

@@ -3,45 +3,27 @@ two of them load it at world 2 and one process loads it whole, equal to what was
 once, a damaged shard is refused before DCP reads it, and keep-k's removal takes the shards with it."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from gloo_group import run_group
+from sharded_parts import gathered, step, wrapped
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sharded_files
 from elastic_mnist.worker import sharded
-from elastic_mnist.worker.model import build_model
-from elastic_mnist.worker.optim import Adam
 
 KEY = checkpoint.checkpoint_key(b"a job secret")
 
 
-def _wrapped(mesh, seed: int = 0):
-    model = sharded.shard_blocks(build_model(13, seed), mesh, sharded.precision_policy("fp32"))
-    return model, Adam(model.parameters(), lr=1e-2)
-
-
-def _gathered(model, optimizer) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
-        out[f"model.{name}"] = p.full_tensor()
-        for k, v in optimizer.state[p].items():
-            out[f"optim.state.{name}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
-    return out
-
-
 def _member(rank: int, world: int, directory: str) -> None:
-    model, optimizer = _wrapped(sharded.mesh_of())
-    for step in range(2):
-        gen = torch.Generator().manual_seed(10 * step + rank)
-        F.nll_loss(model(torch.randn(8, 784, generator=gen)), torch.randint(0, 10, (8,), generator=gen)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    before = _gathered(model, optimizer)
+    model, optimizer = wrapped(sharded.mesh_of())
+    for i in range(2):
+        step(model, optimizer, i, rank)
+    before = gathered(model, optimizer)
     msd, osd = get_state_dict(model, optimizer)
     assert sharded_files.save(directory, 2, {"model": msd, "optim": osd}, {"note": "rest"}, KEY)
     assert not sharded_files.save(directory, 2, {"model": msd, "optim": osd}, {"note": "late"}, KEY)
@@ -50,12 +32,12 @@ def _member(rank: int, world: int, directory: str) -> None:
     group = dist.new_group([0, 2])
     if rank == 1:
         return
-    state = checkpoint.decode(open(checkpoint.path_for(directory, 2), "rb").read(), key=KEY)
-    loaded, loaded_opt = _wrapped(sharded.mesh_of(group), seed=1)
+    state = checkpoint.decode(Path(checkpoint.path_for(directory, 2)).read_bytes(), key=KEY)
+    loaded, loaded_opt = wrapped(sharded.mesh_of(group), seed=1)
     msd, osd = get_state_dict(loaded, loaded_opt)
     sharded_files.load(directory, state, {"model": msd, "optim": osd}, group)
     set_state_dict(loaded, loaded_opt, model_state_dict=msd, optim_state_dict=osd)
-    after = _gathered(loaded, loaded_opt)
+    after = gathered(loaded, loaded_opt)
     assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
@@ -64,16 +46,16 @@ def test_saved_at_three_loaded_at_two_and_whole_and_refused_when_damaged(tmp_pat
     directory = str(tmp_path / "ckpt")
     run_group(_member, 3, directory)
     before = torch.load(os.path.join(directory, "before.pt"))
-    state = checkpoint.decode(open(checkpoint.path_for(directory, 2), "rb").read(), key=KEY)
+    state = checkpoint.decode(Path(checkpoint.path_for(directory, 2)).read_bytes(), key=KEY)
     assert state["note"] == "rest"  # the first save's; the late one left it as it was
     whole = sharded_files.load_whole(directory, state)
     assert {k for k in before if before[k].dim()} <= set(whole)
     assert all(torch.equal(whole[k], before[k]) for k in before if before[k].dim())
     shard = next(p for p in sorted(os.listdir(sharded_files.shards_dir(directory, 2))) if p.endswith(".distcp"))
     path = os.path.join(sharded_files.shards_dir(directory, 2), shard)
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
         sharded_files.load_whole(directory, state)
     sharded_files.remove(directory, 2)

@@ -81,7 +81,7 @@ def agree_errors(error: str | None, world_size: int, node_local: bool = False) -
     only its node's (`node_local`: its own checkpoint dir) ends that node: the ranks that found it raise their
     NodeLocalError, every other rank PeerNodeLocalError (the round ends, the next forms without that node)."""
     mine = [error, bool(node_local)]
-    found = [mine] if world_size == 1 else [json.loads(b) for b in _all_gather_bytes(json.dumps(mine).encode())]
+    found = [mine] if world_size == 1 else [json.loads(b) for b in all_gather_bytes(json.dumps(mine).encode())]
     job_wide = next((e for e, local in found if e and not local), None)
     if job_wide:
         raise UserError(job_wide)
@@ -100,7 +100,7 @@ def agree_on_state(mine: Candidate | None, rank: int, world_size: int,
     offer = [mine.step, mine.ident, generation, int(mine.source == MEMORY)] if mine else [-1, "", generation, 0]
     offers = [offer]
     if world_size > 1:  # a lone process has nobody to agree with (and may have no process group)
-        offers = [json.loads(b) for b in _all_gather_bytes(json.dumps(offer).encode())]
+        offers = [json.loads(b) for b in all_gather_bytes(json.dumps(offer).encode())]
     best, token = max((o[0], o[3]) for o in offers), str(offers[0][2])
     if best[0] < 0:
         return None, -1, [], token
@@ -108,7 +108,7 @@ def agree_on_state(mine: Candidate | None, rank: int, world_size: int,
     needy = [r for r, offer in enumerate(offers) if offer[:2] != offers[owner][:2]]
     if not needy:
         return mine, owner, [], token
-    blob = _broadcast_bytes(mine.bytes_to_send() if rank == owner else b"", owner)
+    blob = broadcast_bytes(mine.bytes_to_send() if rank == owner else b"", owner)
     if rank in needy:
         mine = Candidate(best[0], blob, f"rank {owner} (sent over the process group)")
     return mine, owner, needy, token
@@ -125,11 +125,12 @@ class TransferRefused(RuntimeError):
     """A peer announced more bytes than this rank accepts; every rank of the group raises it together."""
 
 
-def _all_gather_bytes(data: bytes) -> list[bytes]:
-    dev, world = group_device(), dist.get_world_size()
+def all_gather_bytes(data: bytes, group=None) -> list[bytes]:
+    """Every rank's bytes, in rank order of `group` (or the default group)."""
+    dev, world = group_device(), dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    wait(dist.all_gather(sizes, size, async_op=True))
+    wait(dist.all_gather(sizes, size, group=group, async_op=True))
     longest = max(int(s) for s in sizes)
     if longest > MESSAGE_CAP or min(int(s) for s in sizes) < 0:  # every rank sees the same sizes: all raise
         raise TransferRefused(f"a peer announced a {longest:,}-byte message during the state agreement, over the "
@@ -137,25 +138,26 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
-    wait(dist.all_gather(gathered, mine, async_op=True))
+    wait(dist.all_gather(gathered, mine, group=group, async_op=True))
     return [t[:int(n)].cpu().numpy().tobytes() for t, n in zip(gathered, sizes)]
 
 
-def _broadcast_bytes(data: bytes, src: int) -> bytes:
-    dev = group_device()
+def broadcast_bytes(data: bytes, src: int, group=None) -> bytes:
+    """`src`'s bytes (`src` a rank of `group`, or of the default group) on every rank."""
+    dev, me = group_device(), dist.get_rank(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    wait(dist.broadcast(size, src=src, async_op=True))
+    wait(dist.broadcast(size, group=group, group_src=src, async_op=True))
     # The cap depends on each rank's free memory: agree on refusing, so no rank waits in the next broadcast.
-    limit = checkpoint.read_limit() if dist.get_rank() != src else int(size)
+    limit = checkpoint.read_limit() if me != src else int(size)
     refused = torch.tensor([int(not 0 <= int(size) <= limit)], dtype=torch.int64, device=dev)
-    wait(dist.all_reduce(refused, op=dist.ReduceOp.MAX, async_op=True))
+    wait(dist.all_reduce(refused, op=dist.ReduceOp.MAX, group=group, async_op=True))
     if int(refused):
         raise TransferRefused(f"rank {src} announced a {int(size):,}-byte state, more than a rank of this group can "
                               "hold (half its available memory): free memory on the nodes, or fewer per node")
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
-    if dist.get_rank() == src:
+    if me == src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    wait(dist.broadcast(buf, src=src, async_op=True))
+    wait(dist.broadcast(buf, group=group, group_src=src, async_op=True))
     return buf.cpu().numpy().tobytes()
 
 

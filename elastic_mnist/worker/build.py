@@ -102,6 +102,17 @@ def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitSta
     return build_round(build_process(config, task, device or torch.device("cpu"), marks), env, control, stack)
 
 
+def sharded_learner(task: Task, config, mesh, device: torch.device, steps_per_epoch: int) -> Learner:
+    """One round's learner under sharded training: the task's model wrapped for the round's `mesh` by Task.shard,
+    never whole on this rank (its rows are uninitialized until the round's state loads into them), with its
+    optimizer, scheduler and scaler over the sharded parameters."""
+    from elastic_mnist.worker import sharded
+
+    model = sharded.empty_sharded(lambda: task.build_model(config), mesh, sharded.precision_policy(config.precision),
+                                  device, task.shard)
+    return _learner(task, model, config, steps_per_epoch)
+
+
 def _learner(task: Task, model, config, steps_per_epoch: int) -> Learner:
     optimizer = task.build_optimizer(model, config)
     if not isinstance(optimizer, torch.optim.Optimizer):

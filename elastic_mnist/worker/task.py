@@ -60,6 +60,15 @@ class Task:
         """Called after each optimizer step (`step` steps now done), with model, optimizer and step
         consistent: update extra state here (an EMA of the weights)."""
 
+    def shard(self, model: nn.Module, mesh, policy) -> nn.Module:
+        """Sharded training only: wrap `model` with torch's `fully_shard` (FSDP2) over `mesh`, computing at
+        `policy` (a MixedPrecisionPolicy from --precision). The default makes each direct child that holds
+        parameters a unit of its own (a sequential model's blocks), then the root; override to pick other units.
+        The model is on the meta device here: wrap it, do not initialize it."""
+        from elastic_mnist.worker.sharded import shard_blocks
+
+        return shard_blocks(model, mesh, policy)
+
     def datasets(self, config: TrainConfig) -> tuple:
         """(train, test): in-memory `data.Split`s (fast path) or any map-style data sets (DataLoader path)."""
         from elastic_mnist.data import mnist as data

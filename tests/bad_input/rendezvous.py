@@ -213,7 +213,7 @@ dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world
 if rank == 1:
     checkpoint.read_limit = lambda directory=None: 1000  # this rank can hold 1000 bytes
 try:
-    sync._broadcast_bytes(b"x" * 4096 if rank == 0 else b"", 0)
+    sync.broadcast_bytes(b"x" * 4096 if rank == 0 else b"", 0)
     print("received")
 except sync.TransferRefused as e:
     print(e)

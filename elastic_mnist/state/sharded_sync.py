@@ -1,0 +1,118 @@
+"""After a membership change under sharded training: agree on the newest sharded state the new round holds in
+memory, and move it to the new world size (state/reshard.py), each rank receiving only its own rows.
+
+    python -m pytest tests/test_sharded_sync.py -q     # a kill and a join at once, and two neighbours lost
+
+What a rank holds between rounds is `Kept`: its own rows of every sharded tensor, the copy of its ring
+predecessor's rows, and the replicated rest (the optimizer's step, the scheduler, the progress: a dict every
+rank of that round holds alike). The ranks all-gather what they hold (`reshard.Offer`); `from_memory` picks
+the newest state whose every old shard some rank holds. The lowest rank holding it sends the replicated rest
+and the tensors' shapes to the ranks that lack them (a joiner, a rank of another lineage), as the checkpoint
+format's verified bytes, never pickles; then one all-to-all moves the rows. None: no such state (two ring
+neighbours lost at once, or nothing in memory), and the state comes from storage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.reshard import Change, Offer, buddy_of, from_memory, reshard, ring_copy
+from elastic_mnist.state.sync import all_gather_bytes, broadcast_bytes
+
+
+@dataclass
+class Kept:
+    """One rank's share of a sharded state agreed at `offer.step` by the round `offer.lineage`."""
+
+    offer: Offer
+    rows: dict[str, torch.Tensor]
+    """This rank's rows of every sharded tensor, by name (worker/sharded.py's `rows_of`)."""
+    copy: dict[str, torch.Tensor]
+    """Its ring predecessor's rows of the same step ({} at world 1)."""
+    specs: dict[str, torch.Tensor]
+    """Every sharded tensor's whole shape and dtype, as meta tensors."""
+    replicated: dict = field(default_factory=dict)
+    """What every rank of the round holds alike: encoded with the checkpoint format when a peer needs it."""
+
+
+def keep(rows: dict, specs: dict, replicated: dict, lineage: str, step: int, rank: int, world: int,
+         group=None) -> Kept:
+    """Collective over the round that agreed on `step`: this rank's share, with the ring copy refreshed."""
+    copy = ring_copy(rows, specs, world, rank, group)
+    offer = Offer(lineage, step, rank, world, step if world > 1 else -1)
+    return Kept(offer, rows, copy, specs, replicated)
+
+
+@dataclass
+class Moved:
+    """This rank's share of the agreed state in the new round."""
+
+    step: int
+    rows: dict[str, torch.Tensor]
+    specs: dict[str, torch.Tensor]
+    replicated: dict
+    sent: int
+    """Bytes of rows this rank sent (the replicated rest aside)."""
+    owner: int
+    """The new rank that sent the replicated rest (or would have)."""
+
+
+def agree_sharded(mine: Kept | None, rank: int, world: int, device: torch.device, key: bytes | None = None,
+                  group=None) -> Moved | None:
+    """Collective over the new round (`group`, or the default one; `rank` and `world` in it)."""
+    offer = mine.offer if mine is not None else Offer()
+    offers = [_decode_offer(b) for b in all_gather_bytes(json.dumps(_encode_offer(offer)).encode(), group)]
+    found = from_memory(offers)
+    if found is None:
+        return None
+    state, held_by = found
+    same = [r for r, o in enumerate(offers) if (o.lineage, o.step) == (state.lineage, state.step)]
+    owner, holds = same[0], rank in same
+    specs, replicated = (mine.specs, mine.replicated) if holds else ({}, {})
+    if len(same) < world:
+        state_bytes = {"step": state.step, "specs": _spec_rows(specs), "replicated": replicated}
+        blob = broadcast_bytes(checkpoint.encode(state_bytes, key) if rank == owner else b"", owner, group)
+        if not holds:
+            sent = checkpoint.decode(blob, f"the sharded state from rank {owner}", key)
+            specs, replicated = _specs(sent["specs"]), sent["replicated"]
+    shards = _shards(mine, state.step) if holds else {}
+    rows, sent = reshard(shards, specs, Change(state.old_world, world, rank, held_by), device, group)
+    return Moved(state.step, rows, specs, replicated, sent, owner)
+
+
+def _shards(mine: Kept, step: int) -> dict[str, dict[int, torch.Tensor]]:
+    """What `reshard` reads of this rank's share: its own rows, and its copy if that is of the same step."""
+    old, world = mine.offer.old_rank, mine.offer.old_world
+    out = {name: {old: rows} for name, rows in mine.rows.items()}
+    if mine.offer.copy_step == step:
+        for name, rows in mine.copy.items():
+            out[name][buddy_of(old, world)] = rows
+    return out
+
+
+def _encode_offer(o: Offer) -> list:
+    return [o.lineage, o.step, o.old_rank, o.old_world, o.copy_step]
+
+
+def _decode_offer(blob: bytes) -> Offer:
+    lineage, step, old_rank, old_world, copy_step = json.loads(blob)
+    return Offer(str(lineage), int(step), int(old_rank), int(old_world), int(copy_step))
+
+
+def _spec_rows(specs: dict[str, torch.Tensor]) -> dict[str, list]:
+    return {name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in specs.items()}
+
+
+def _specs(rows: dict[str, list]) -> dict[str, torch.Tensor]:
+    """Meta tensors from a peer's shapes and dtype names: only torch's dtypes are looked up."""
+    out = {}
+    for name, (shape, dtype) in rows.items():
+        kind = getattr(torch, str(dtype), None)
+        if not isinstance(kind, torch.dtype):
+            raise checkpoint.CheckpointError(f"the sharded state names an unknown dtype {dtype!r} for {name}")
+        out[name] = torch.empty([int(n) for n in shape], dtype=kind, device="meta")
+    return out

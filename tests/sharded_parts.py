@@ -1,0 +1,39 @@
+"""What the sharded-state tests share: the MLP under fully_shard (FSDP2) with Adam, a training step on seeded
+random data, and the whole state gathered by the names a DCP checkpoint flattens it to."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from elastic_mnist.worker import sharded
+from elastic_mnist.worker.model import build_model
+from elastic_mnist.worker.optim import Adam
+
+HIDDEN = 13  # rows that split unevenly over 3 ranks and over 2
+LR = 1e-2
+
+
+def wrapped(mesh, seed: int = 0):
+    """(the MLP wrapped for `mesh`, its Adam); another `seed`, other weights."""
+    model = sharded.shard_blocks(build_model(HIDDEN, seed), mesh, sharded.precision_policy("fp32"))
+    return model, Adam(model.parameters(), lr=LR)
+
+
+def step(model, optimizer, step: int, rank: int) -> None:
+    """One optimizer step on this rank's batch of `step` (seeded by both)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 784, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+    F.nll_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def gathered(model, optimizer) -> dict[str, torch.Tensor]:
+    """Collective: every parameter and optimizer state tensor whole (`model.<param>`, `optim.state.<param>.<key>`)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"model.{name}"] = p.full_tensor()
+        for key, value in optimizer.state[p].items():
+            out[f"optim.state.{name}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return out
