@@ -128,3 +128,12 @@ def _ring(rank: int, world: int, out_dir: str) -> None:
 def test_each_rank_receives_its_ring_predecessors_rows(tmp_path, world):
     run_group(_ring, world, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [f"ring-{r}" for r in range(world)]
+
+def test_a_ring_copy_cut_short_leaves_the_step_before_it_whole():
+    """Old rank 2 of 3 died inside step 8's ring copy: old 0 and 1 hold their rows of 8 without a copy of it, and
+    both rows and copies of step 7; old 2's rows are whole only at 7 (in old 0's copy)."""
+    cut = [(Offer("L", 8, 0, 3, -1), Offer("L", 7, 0, 3, 7)), (Offer("L", 8, 1, 3, -1), Offer("L", 7, 1, 3, 7))]
+    chosen, held_by = from_memory(cut)
+    assert chosen.step == 7 and held_by == {0: 0, 1: 1, 2: 0}
+    done = [(Offer("L", 8, 0, 3, 8), Offer("L", 7, 0, 3, 7)), (Offer("L", 8, 1, 3, -1), Offer("L", 7, 1, 3, 7))]
+    assert from_memory(done)[0].step == 8  # old 0 received old 2's rows of 8 before it died: 8 is whole

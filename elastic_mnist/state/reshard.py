@@ -65,12 +65,14 @@ class Offer:
     """The step of its copy of its ring predecessor's rows (-1: none)."""
 
 
-def from_memory(offers: list[Offer]) -> tuple[Offer, dict[int, int]] | None:
-    """The newest state whose every old shard some rank of the new round holds (`offers[r]` is new rank r's):
-    (the state, as an offer of it, and which new rank holds each old shard), or None (it comes from storage)."""
-    states = {(o.step, o.lineage, o.old_world) for o in offers if o.lineage and o.step >= 0}
+def from_memory(offers: list[Offer | tuple[Offer, ...]]) -> tuple[Offer, dict[int, int]] | None:
+    """The newest state whose every old shard some rank of the new round holds (`offers[r]` is new rank r's
+    offer, or its offers when it holds several steps): (the state, as an offer of it, and which new rank holds
+    each old shard), or None (it comes from storage)."""
+    each = [o if isinstance(o, tuple) else (o,) for o in offers]
+    states = {(o.step, o.lineage, o.old_world) for held in each for o in held if o.lineage and o.step >= 0}
     for step, lineage, old_world in sorted(states, reverse=True):
-        mine = {r: o for r, o in enumerate(offers) if (o.lineage, o.step) == (lineage, step)}
+        mine = {r: o for r, held in enumerate(each) for o in held if (o.lineage, o.step) == (lineage, step)}
         held_by = holders(old_world, {o.old_rank: r for r, o in mine.items()},
                           {r for r, o in mine.items() if o.copy_step == step})
         if len(held_by) == old_world:

@@ -3,23 +3,27 @@ memory, and move it to the new world size (state/reshard.py), each rank receivin
 
     python -m pytest tests/test_sharded_sync.py -q     # a kill and a join at once, and two neighbours lost
 
-What a rank holds between rounds is `Kept`: its own rows of every sharded tensor, the copy of its ring
-predecessor's rows, and the replicated rest (the optimizer's step, the scheduler, the progress: a dict every
-rank of that round holds alike). The ranks all-gather what they hold (`reshard.Offer`); `from_memory` picks
-the newest state whose every old shard some rank holds. The lowest rank holding it sends the replicated rest
-and the tensors' shapes to the ranks that lack them (a joiner, a rank of another lineage), as the checkpoint
-format's verified bytes, never pickles; then one all-to-all moves the rows. None: no such state (two ring
-neighbours lost at once, or nothing in memory), and the state comes from storage.
+What a rank holds between rounds is a `Keeper`'s last two steps, each a `Kept`: its own rows of every sharded
+tensor, the copy of its ring predecessor's rows, and the replicated rest (the optimizer's step, the scheduler,
+the progress: a dict every rank of the round holds alike). Two, because a rank lost inside the ring copy of
+step S leaves the survivors with rows of S but not every copy of S, while S-1 is whole. The ranks all-gather
+what they hold (`reshard.Offer`s); `from_memory` picks the newest state whose every old shard some rank holds.
+The lowest rank holding it sends the replicated rest and the tensors' shapes to the ranks that lack them (a
+joiner, a rank of another lineage), as the checkpoint format's verified bytes, never pickles; then one
+all-to-all moves the rows. None: no such state (two ring neighbours lost at once, or nothing in memory), and
+the state comes from storage.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from elastic_mnist.compat import private as compat
 from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.registry import map_tensors
 from elastic_mnist.state.reshard import Change, Offer, buddy_of, from_memory, reshard, ring_copy
 from elastic_mnist.state.sync import all_gather_bytes, broadcast_bytes
 
@@ -39,12 +43,30 @@ class Kept:
     """What every rank of the round holds alike: encoded with the checkpoint format when a peer needs it."""
 
 
-def keep(rows: dict, specs: dict, replicated: dict, lineage: str, step: int, rank: int, world: int,
-         group=None) -> Kept:
-    """Collective over the round that agreed on `step`: this rank's share, with the ring copy refreshed."""
-    copy = ring_copy(rows, specs, world, rank, group)
-    offer = Offer(lineage, step, rank, world, step if world > 1 else -1)
-    return Kept(offer, rows, copy, specs, replicated)
+class Keeper:
+    """This rank's shares of its round's last two steps (newest first), refreshed after every optimizer step."""
+
+    def __init__(self, lineage: str, rank: int, world: int, specs: dict[str, torch.Tensor], group=None) -> None:
+        self.lineage, self.rank, self.world, self.specs, self.group = lineage, rank, world, specs, group
+        self.steps: list[Kept] = []
+
+    def advance(self, step: int, rows: dict[str, torch.Tensor], replicated: dict) -> None:
+        """Collective over the round: keep a copy of this rank's rows of `step` (in the older step's buffers)
+        and of `replicated`, then send the rows to the ring successor. A peer lost inside that raises, leaving
+        `step` held without its copy and the step before it whole."""
+        spare = self.steps.pop() if len(self.steps) == 2 else None
+        names = sorted(rows)
+        if spare is not None and all(spare.rows[n].shape == rows[n].shape for n in names):
+            compat.foreach_copy_([spare.rows[n] for n in names], [rows[n] for n in names])
+            own = spare.rows
+        else:
+            own = {n: rows[n].detach().clone() for n in names}
+        # Copies: the optimizer's step counts and the like change in place at the next step.
+        replicated = map_tensors(replicated, lambda t: t.detach().clone())
+        kept = Kept(Offer(self.lineage, step, self.rank, self.world), own, {}, self.specs, replicated)
+        self.steps.insert(0, kept)
+        kept.copy = ring_copy(own, self.specs, self.world, self.rank, self.group)
+        kept.offer = replace(kept.offer, copy_step=step if self.world > 1 else -1)
 
 
 @dataclass
@@ -61,17 +83,19 @@ class Moved:
     """The new rank that sent the replicated rest (or would have)."""
 
 
-def agree_sharded(mine: Kept | None, rank: int, world: int, device: torch.device, key: bytes | None = None,
+def agree_sharded(held: list[Kept], rank: int, world: int, device: torch.device, key: bytes | None = None,
                   group=None) -> Moved | None:
-    """Collective over the new round (`group`, or the default one; `rank` and `world` in it)."""
-    offer = mine.offer if mine is not None else Offer()
-    offers = [_decode_offer(b) for b in all_gather_bytes(json.dumps(_encode_offer(offer)).encode(), group)]
+    """Collective over the new round (`group`, or the default one; `rank` and `world` in it). `held`: what this
+    rank keeps (a Keeper's steps; a joiner: [])."""
+    mine = json.dumps([_encode_offer(k.offer) for k in held]).encode()
+    offers = [tuple(_decode_offer(o) for o in json.loads(b)) for b in all_gather_bytes(mine, group)]
     found = from_memory(offers)
     if found is None:
         return None
     state, held_by = found
-    same = [r for r, o in enumerate(offers) if (o.lineage, o.step) == (state.lineage, state.step)]
+    same = [r for r, os in enumerate(offers) if any((o.lineage, o.step) == (state.lineage, state.step) for o in os)]
     owner, holds = same[0], rank in same
+    mine = next((k for k in held if (k.offer.lineage, k.offer.step) == (state.lineage, state.step)), None)
     specs, replicated = (mine.specs, mine.replicated) if holds else ({}, {})
     if len(same) < world:
         state_bytes = {"step": state.step, "specs": _spec_rows(specs), "replicated": replicated}
@@ -98,8 +122,8 @@ def _encode_offer(o: Offer) -> list:
     return [o.lineage, o.step, o.old_rank, o.old_world, o.copy_step]
 
 
-def _decode_offer(blob: bytes) -> Offer:
-    lineage, step, old_rank, old_world, copy_step = json.loads(blob)
+def _decode_offer(fields: list) -> Offer:
+    lineage, step, old_rank, old_world, copy_step = fields
     return Offer(str(lineage), int(step), int(old_rank), int(old_world), int(copy_step))
 
 
