@@ -68,7 +68,7 @@ def build_process(config, task: Task, device: torch.device, marks: dict | None =
     fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
     key = checkpoint.checkpoint_key(job_secret.from_env())  # None for a job without a secret
     marks["built"] = time.time()
-    return Process(config, task, device, (train, test), plan, learner, _registry(learner, config), fingerprint, key,
+    return Process(config, task, device, (train, test), plan, learner, registry_of(learner, config), fingerprint, key,
                    marks=marks)
 
 
@@ -102,14 +102,19 @@ def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitSta
     return build_round(build_process(config, task, device or torch.device("cpu"), marks), env, control, stack)
 
 
-def sharded_learner(task: Task, config, mesh, device: torch.device, steps_per_epoch: int) -> Learner:
+def sharded_learner(task: Task, config, mesh, device: torch.device, steps_per_epoch: int,
+                    fresh: bool = False) -> Learner:
     """One round's learner under sharded training: the task's model wrapped for the round's `mesh` by Task.shard,
-    never whole on this rank (its rows are uninitialized until the round's state loads into them), with its
-    optimizer, scheduler and scaler over the sharded parameters."""
+    with its optimizer, scheduler and scaler over the sharded parameters. Its rows are uninitialized until the
+    round's state loads into them, and the model is never whole on this rank; `fresh` (a run's first start):
+    built whole and seeded, as on every rank, and each rank keeps its rows."""
     from elastic_mnist.worker import sharded
 
-    model = sharded.empty_sharded(lambda: task.build_model(config), mesh, sharded.precision_policy(config.precision),
-                                  device, task.shard)
+    policy = sharded.precision_policy(config.precision)
+    if fresh:
+        model = task.shard(task.build_model(config).to(device), mesh, policy)
+    else:
+        model = sharded.empty_sharded(lambda: task.build_model(config), mesh, policy, device, task.shard)
     return _learner(task, model, config, steps_per_epoch)
 
 
@@ -123,7 +128,7 @@ def _learner(task: Task, model, config, steps_per_epoch: int) -> Learner:
     return Learner(task, model, optimizer, scheduler, scaler)
 
 
-def _registry(learner: Learner, config) -> dict[str, Stateful]:
+def registry_of(learner: Learner, config) -> dict[str, Stateful]:
     """Every stateful object, by name: the runtime's, then the task's own (Task.extra_state)."""
     state: dict[str, Stateful] = {"model": learner.model, "optimizer": learner.optimizer, "scaler": learner.scaler,
                                   "rng": RngState(config.seed)}

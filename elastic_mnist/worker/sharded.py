@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from elastic_mnist.state.reshard import shard_rows
 from elastic_mnist.worker.step import PRECISIONS
 
 
@@ -97,6 +98,53 @@ def load_rows(model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict[str
                       for k, v in replicated.items() if k.rsplit(".", 1)[0] == name})
         if state:
             optimizer.state[p] = state
+
+
+SHARDED_OBJECTS = ("model", "optimizer")
+"""The registered objects whose state is rows; every other one (scheduler, scaler, RNG, the task's own) every
+rank of a round holds alike."""
+
+
+def split_state(objects: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """A learner's whole state as (this rank's rows, the rest every rank holds alike): the rest is the
+    optimizer's per-parameter values that are not rows (Adam's step) and its groups' settings (the learning
+    rate the scheduler set last), and every other registered object's state_dict()."""
+    rows, scalars = rows_of(model, optimizer)
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    rest = {name: obj.state_dict() for name, obj in objects.items() if name not in SHARDED_OBJECTS}
+    return rows, {**rest, "optimizer": {"per_parameter": scalars, "groups": groups}}
+
+
+def load_state(objects: dict, model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict, rest: dict) -> None:
+    """`split_state`'s inverse, into a learner wrapped for the new mesh (its objects built afresh)."""
+    load_rows(model, optimizer, rows, rest["optimizer"]["per_parameter"])
+    for group, saved in zip(optimizer.param_groups, rest["optimizer"]["groups"], strict=True):
+        group.update(saved)
+    for name, obj in objects.items():
+        if name not in SHARDED_OBJECTS:
+            obj.load_state_dict(rest[name])
+
+
+def from_whole(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer, world: int, rank: int
+               ) -> tuple[dict, dict]:
+    """A replicated run's state (a DDP checkpoint: whole "model" and "optimizer" state dicts) as `split_state`
+    gives it to `rank` of `world`, for `load_state` into a learner wrapped for that mesh (`model`, `optimizer`
+    name the parameters: the optimizer's state is by position, as its groups list them)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    rows, per_parameter = {}, {}
+    for index, name in enumerate(order):
+        whole = state["model"][name]
+        a, b = shard_rows(whole.shape[0], world, rank)
+        rows[f"model.{name}"] = whole[a:b]
+        for key, value in state["optimizer"]["state"].get(index, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == whole.shape and value.dim():
+                rows[f"optimizer.{name}.{key}"] = value[a:b]
+            else:
+                per_parameter[f"{name}.{key}"] = value
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in state["optimizer"]["param_groups"]]
+    rest = {name: value for name, value in state.items() if name not in SHARDED_OBJECTS}
+    return rows, {**rest, "optimizer": {"per_parameter": per_parameter, "groups": groups}}
 
 
 class ShardedParallel:

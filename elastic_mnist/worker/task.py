@@ -64,7 +64,7 @@ class Task:
         """Sharded training only: wrap `model` with torch's `fully_shard` (FSDP2) over `mesh`, computing at
         `policy` (a MixedPrecisionPolicy from --precision). The default makes each direct child that holds
         parameters a unit of its own (a sequential model's blocks), then the root; override to pick other units.
-        The model is on the meta device here: wrap it, do not initialize it."""
+        The model may be on the meta device, with no values yet: wrap it, do not initialize it."""
         from elastic_mnist.worker.sharded import shard_blocks
 
         return shard_blocks(model, mesh, policy)
