@@ -1,5 +1,6 @@
 """Sharded checkpoints: three real gloo processes save a fully_shard model and its Adam state through DCP;
-two of them load it at world 2 and one process loads it whole, equal to what was saved; a step is published
+two of them load it at world 2 and one process loads it whole, equal to what was saved, into a model that is
+not sharded too (a replicated run resumes from it); a step is published
 once, a damaged shard is refused before DCP reads it, and keep-k's removal takes the shards with it."""
 
 import os
@@ -9,12 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_group import run_group
-from sharded_parts import gathered, step, wrapped
+from sharded_parts import HIDDEN, LR, gathered, step, wrapped
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sharded_files
 from elastic_mnist.worker import sharded
+from elastic_mnist.worker.model import build_model
+from elastic_mnist.worker.optim import Adam
 
 KEY = checkpoint.checkpoint_key(b"a job secret")
 
@@ -25,7 +28,8 @@ def _member(rank: int, world: int, directory: str) -> None:
         step(model, optimizer, i, rank)
     before = gathered(model, optimizer)
     msd, osd = get_state_dict(model, optimizer)
-    assert sharded_files.save(directory, 2, {"model": msd, "optim": osd}, {"note": "rest"}, KEY)
+    _, rest = sharded.split_state({}, model, optimizer)  # what every rank holds alike: the checkpoint file's part
+    assert sharded_files.save(directory, 2, {"model": msd, "optim": osd}, {"note": "rest", **rest}, KEY)
     assert not sharded_files.save(directory, 2, {"model": msd, "optim": osd}, {"note": "late"}, KEY)
     if rank == 0:
         torch.save(before, os.path.join(directory, "before.pt"))
@@ -51,6 +55,16 @@ def test_saved_at_three_loaded_at_two_and_whole_and_refused_when_damaged(tmp_pat
     whole = sharded_files.load_whole(directory, state)
     assert {k for k in before if before[k].dim()} <= set(whole)
     assert all(torch.equal(whole[k], before[k]) for k in before if before[k].dim())
+    replicated = sharded.to_whole(whole, state)  # a run that does not shard resumes from it
+    model = build_model(HIDDEN, seed=1)
+    optimizer = Adam(model.parameters(), lr=0.5)
+    model.load_state_dict(replicated["model"])
+    optimizer.load_state_dict(replicated["optimizer"])
+    assert optimizer.param_groups[0]["lr"] == LR
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[f"model.{name}"])
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(value, before[f"optim.state.{name}.{key}"]), (name, key)
     shard = next(p for p in sorted(os.listdir(sharded_files.shards_dir(directory, 2))) if p.endswith(".distcp"))
     path = os.path.join(sharded_files.shards_dir(directory, 2), shard)
     data = bytearray(Path(path).read_bytes())

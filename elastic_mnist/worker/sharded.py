@@ -106,20 +106,31 @@ rank of a round holds alike."""
 
 
 def split_state(objects: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """A learner's whole state as (this rank's rows, the rest every rank holds alike): the rest is the
-    optimizer's per-parameter values that are not rows (Adam's step) and its groups' settings (the learning
-    rate the scheduler set last), and every other registered object's state_dict()."""
+    """A learner's whole state as (this rank's rows, the rest every rank holds alike): the rest is the model's
+    buffers, the optimizer's per-parameter values that are not rows (Adam's step) and its groups' settings (the
+    learning rate the scheduler set last), and every other registered object's state_dict()."""
     rows, scalars = rows_of(model, optimizer)
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
     rest = {name: obj.state_dict() for name, obj in objects.items() if name not in SHARDED_OBJECTS}
-    return rows, {**rest, "optimizer": {"per_parameter": scalars, "groups": groups}}
+    return rows, {**rest, "model": {"buffers": _buffers(model.state_dict(), names.values())},
+                  "optimizer": {"per_parameter": scalars, "groups": groups}}
+
+
+def _buffers(model_state: dict, params) -> dict:
+    """The model's persistent buffers (a BatchNorm's running statistics): fully_shard leaves them whole."""
+    params = set(params)
+    return {name: value for name, value in model_state.items() if name not in params}
 
 
 def load_state(objects: dict, model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict, rest: dict) -> None:
     """`split_state`'s inverse, into a learner wrapped for the new mesh (its objects built afresh)."""
     load_rows(model, optimizer, rows, rest["optimizer"]["per_parameter"])
+    with torch.no_grad():
+        for name, value in rest["model"]["buffers"].items():
+            model.get_buffer(name).copy_(value)
     for group, saved in zip(optimizer.param_groups, rest["optimizer"]["groups"], strict=True):
-        group.update(saved)
+        group.update({k: v for k, v in saved.items() if k != "params"})
     for name, obj in objects.items():
         if name not in SHARDED_OBJECTS:
             obj.load_state_dict(rest[name])
@@ -133,18 +144,41 @@ def from_whole(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer, 
     names = {id(p): name for name, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     rows, per_parameter = {}, {}
-    for index, name in enumerate(order):
+    for name in names.values():
         whole = state["model"][name]
         a, b = shard_rows(whole.shape[0], world, rank)
         rows[f"model.{name}"] = whole[a:b]
+    for index, name in enumerate(order):
         for key, value in state["optimizer"]["state"].get(index, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == whole.shape and value.dim():
+            if isinstance(value, torch.Tensor) and value.shape == state["model"][name].shape and value.dim():
+                a, b = shard_rows(value.shape[0], world, rank)
                 rows[f"optimizer.{name}.{key}"] = value[a:b]
             else:
                 per_parameter[f"{name}.{key}"] = value
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in state["optimizer"]["param_groups"]]
+    groups = [{**group, "params": [order[i] for i in group["params"]]} for group in state["optimizer"]["param_groups"]]
     rest = {name: value for name, value in state.items() if name not in SHARDED_OBJECTS}
-    return rows, {**rest, "optimizer": {"per_parameter": per_parameter, "groups": groups}}
+    return rows, {**rest, "model": {"buffers": _buffers(state["model"], names.values())},
+                  "optimizer": {"per_parameter": per_parameter, "groups": groups}}
+
+
+def to_whole(whole: dict[str, torch.Tensor], rest: dict) -> dict:
+    """`from_whole`'s inverse: a sharded checkpoint read whole (sharded_files.load_whole of a DCP save of
+    `get_state_dict`: `model.<param>`, `optim.state.<param>.<key>`) with its rest (`split_state`'s) as a
+    replicated run's state, whose "model" and "optimizer" load into a model that is not sharded."""
+    groups = rest["optimizer"]["groups"]
+    order = [name for group in groups for name in group["params"]]
+    state = {}
+    for index, name in enumerate(order):
+        prefix = f"optim.state.{name}."
+        held = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
+        held.update({k[len(name) + 1:]: v for k, v in rest["optimizer"]["per_parameter"].items()
+                     if k.rsplit(".", 1)[0] == name})
+        if held:
+            state[index] = held
+    model = {**rest["model"]["buffers"], **{k[len("model."):]: v for k, v in whole.items() if k.startswith("model.")}}
+    param_groups = [{**group, "params": [order.index(n) for n in group["params"]]} for group in groups]
+    others = {k: v for k, v in rest.items() if k not in SHARDED_OBJECTS}
+    return {**others, "model": model, "optimizer": {"state": state, "param_groups": param_groups}}
 
 
 class ShardedParallel:
