@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -26,3 +27,12 @@ def describe() -> dict:
 def one_line(m: dict) -> str:
     gpu = m["gpu"] or "no GPU"
     return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {gpu}; torch {m['torch']}; {m['date']}"
+
+
+def emit(result: dict, out: str | None) -> None:
+    """A probe's result, with the machine it was measured on: printed as JSON, and written to `out` if given."""
+    text = json.dumps({"machine": describe(), **result}, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

@@ -37,9 +37,10 @@ def _vm(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def _train_step(model, optimizer, step: int, rank: int) -> None:
+def train_step(model, optimizer, step: int, rank: int, batch: int = 64) -> None:
+    """One optimizer step of the MLP on this rank's random batch of `step` (seeded by both)."""
     gen = torch.Generator().manual_seed(100 * step + rank)
-    x, y = torch.randn(64, 784, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    x, y = torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
     F.nll_loss(model(x), y).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -66,7 +67,7 @@ def _member(rank: int, store: str, hidden: int, layers: int, out: str) -> None:
     optimizer = Adam(model.parameters(), lr=1e-3)
     keeper, steps, keeps = None, [], []
     for i in range(4):
-        steps.append(_timed(lambda: _train_step(model, optimizer, i, rank)))
+        steps.append(_timed(lambda: train_step(model, optimizer, i, rank)))
         rows, replicated = sharded.rows_of(model, optimizer)
         if keeper is None:
             keeper = Keeper("bench", rank, WORLD, sharded.specs_of(model, replicated, ["exp_avg", "exp_avg_sq"]))
@@ -84,7 +85,7 @@ def _member(rank: int, store: str, hidden: int, layers: int, out: str) -> None:
         reshard_s = time.perf_counter() - start
         new_share = sum(t.numel() * t.element_size() for t in moved.rows.values())
         peak = _vm("VmHWM")
-        first_step_s = _timed(lambda: _train_step(live, live_opt, 4, rank))
+        first_step_s = _timed(lambda: train_step(live, live_opt, 4, rank))
         load_s = _timed(lambda: _dcp_load(out, hidden, layers, new))
         result = {"reshard_s": reshard_s, "first_step_s": first_step_s, "dcp_load_s": load_s, "sent": moved.sent,
                   "new_share_bytes": new_share, "step_chosen": moved.step}
@@ -148,11 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     for hidden, layers in shapes:
         print(f"reshard bench: {WORLD} gloo processes, MLP {hidden}x{layers}", file=sys.stderr, flush=True)
         cases.append(measure(hidden, layers))
-    text = json.dumps({"machine": machine.describe(), "cases": cases}, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    machine.emit({"cases": cases}, args.out)
 
 
 if __name__ == "__main__":

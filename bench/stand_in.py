@@ -13,7 +13,6 @@ bare `python -c pass` measured between them, so the machine's drift hits both al
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -73,13 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this": here, **({"against": os.path.abspath(args.against)} if args.against else {})}
-    result = {"machine": machine.describe(), "code": STAND_IN, "trees": {k: commit_of(t) for k, t in trees.items()},
-              "cpu": measure(args.runs, trees)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    machine.emit({"code": STAND_IN, "trees": {k: commit_of(t) for k, t in trees.items()},
+                  "cpu": measure(args.runs, trees)}, args.out)
 
 
 if __name__ == "__main__":

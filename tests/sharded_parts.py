@@ -4,8 +4,8 @@ random data, and the whole state gathered by the names a DCP checkpoint flattens
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from bench.reshard import train_step
 from elastic_mnist.worker import sharded
 from elastic_mnist.worker.model import build_model
 from elastic_mnist.worker.optim import Adam
@@ -21,12 +21,8 @@ def wrapped(mesh, seed: int = 0):
 
 
 def step(model, optimizer, step: int, rank: int) -> None:
-    """One optimizer step on this rank's batch of `step` (seeded by both)."""
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    x, y = torch.randn(8, 784, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-    F.nll_loss(model(x), y).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    """One optimizer step on this rank's batch of `step` (seeded by both), as the reshard bench takes them."""
+    train_step(model, optimizer, step, rank, batch=8)
 
 
 def gathered(model, optimizer) -> dict[str, torch.Tensor]:
