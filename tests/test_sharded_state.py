@@ -6,6 +6,7 @@ In one process: the rows of a world of one are the whole tensors (the sharded te
     python -m pytest tests/test_sharded_state.py -q
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -54,3 +55,13 @@ def test_a_rank_takes_only_its_rows_of_each_tensor():
     assert torch.equal(torch.cat([p["model.0.weight"] for p in parts]), weight)
     moments = state["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(torch.cat([p["optimizer.0.weight.exp_avg"] for p in parts]), moments)
+
+
+def test_an_offer_no_round_could_hold_is_refused_by_every_rank_alike():
+    from elastic_mnist.state.sharded_sync import Offer, TransferRefused, _decode_offer, _encode_offer
+
+    good = Offer("L", 7, 2, 3, 7)
+    assert _decode_offer(_encode_offer(good)) == good and _decode_offer(_encode_offer(Offer())) == Offer()
+    for bad in (["L", 7, 3, 3, 7], ["L", 7, 0, 10**12, 7], ["L", 7, 0, 3, 8], ["", 7, 0, 3, 7], ["L", -5, 0, 3, -1]):
+        with pytest.raises(TransferRefused, match="same elastic-mnist"):
+            _decode_offer(bad)

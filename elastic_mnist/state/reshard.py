@@ -150,9 +150,10 @@ def reshard(shards: dict[str, dict[int, torch.Tensor]], specs: dict[str, torch.T
 
 
 def ring_copy(local: dict[str, torch.Tensor], specs: dict[str, torch.Tensor], world: int, rank: int,
-              group=None) -> dict[str, torch.Tensor]:
+              group=None, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Collective: send this rank's rows of every tensor to its ring successor; return its predecessor's (the
-    copy `buddy_of` names), so that one lost rank's rows stay in memory. `specs` as for `reshard`."""
+    copy `buddy_of` names), so that one lost rank's rows stay in memory. `specs` as for `reshard`; `into`: an
+    earlier copy's tensors to receive into where their shapes fit (no new memory every step)."""
     if world == 1:
         return {}
     src, names = buddy_of(rank, world), sorted(local)
@@ -160,7 +161,9 @@ def ring_copy(local: dict[str, torch.Tensor], specs: dict[str, torch.Tensor], wo
     received = {}
     for name in names:
         a, b = shard_rows(specs[name].shape[0], world, src)
-        received[name] = torch.empty((b - a, *specs[name].shape[1:]), dtype=specs[name].dtype, device=device)
+        shape, reuse = (b - a, *specs[name].shape[1:]), (into or {}).get(name)
+        fits = reuse is not None and reuse.shape == shape and reuse.dtype == specs[name].dtype
+        received[name] = reuse if fits else torch.empty(shape, dtype=specs[name].dtype, device=device)
     _exchange({(rank + 1) % world: [local[n] for n in names]}, {src: [received[n] for n in names]}, world, device,
               group)
     return received

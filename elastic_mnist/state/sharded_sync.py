@@ -25,7 +25,7 @@ from elastic_mnist.compat import private as compat
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.registry import map_tensors
 from elastic_mnist.state.reshard import Change, Offer, buddy_of, from_memory, reshard, ring_copy
-from elastic_mnist.state.sync import all_gather_bytes, broadcast_bytes
+from elastic_mnist.state.sync import TransferRefused, all_gather_bytes, broadcast_bytes
 
 
 @dataclass
@@ -44,7 +44,8 @@ class Kept:
 
 
 class Keeper:
-    """This rank's shares of its round's last two steps (newest first), refreshed after every optimizer step."""
+    """This rank's shares of its round's last two steps (newest first), refreshed after every optimizer step.
+    Each `advance` writes into the older step's tensors: hand `steps` to the agreement before the next one."""
 
     def __init__(self, lineage: str, rank: int, world: int, specs: dict[str, torch.Tensor], group=None) -> None:
         self.lineage, self.rank, self.world, self.specs, self.group = lineage, rank, world, specs, group
@@ -65,7 +66,7 @@ class Keeper:
         replicated = map_tensors(replicated, lambda t: t.detach().clone())
         kept = Kept(Offer(self.lineage, step, self.rank, self.world), own, {}, self.specs, replicated)
         self.steps.insert(0, kept)
-        kept.copy = ring_copy(own, self.specs, self.world, self.rank, self.group)
+        kept.copy = ring_copy(own, self.specs, self.world, self.rank, self.group, spare.copy if spare else None)
         kept.offer = replace(kept.offer, copy_step=step if self.world > 1 else -1)
 
 
@@ -122,9 +123,20 @@ def _encode_offer(o: Offer) -> list:
     return [o.lineage, o.step, o.old_rank, o.old_world, o.copy_step]
 
 
+MAX_WORLD = 1 << 16
+"""No round is larger: an offer naming a larger one is not this package's."""
+
+
 def _decode_offer(fields: list) -> Offer:
+    """A peer's offer, checked: every rank decodes the same offers, so a bad one raises on every rank alike."""
     lineage, step, old_rank, old_world, copy_step = fields
-    return Offer(str(lineage), int(step), int(old_rank), int(old_world), int(copy_step))
+    offer = Offer(str(lineage), int(step), int(old_rank), int(old_world), int(copy_step))
+    joiner = offer == Offer()
+    if not joiner and not (0 <= offer.old_rank < offer.old_world <= MAX_WORLD and offer.step >= 0
+                           and -1 <= offer.copy_step <= offer.step and offer.lineage):
+        raise TransferRefused(f"a peer offered sharded state {fields!r}, which no round of this package holds: "
+                              "check that every node runs the same elastic-mnist")
+    return offer
 
 
 def _spec_rows(specs: dict[str, torch.Tensor]) -> dict[str, list]:
