@@ -2,7 +2,7 @@
 ring copy of its neighbour's (state/sharded_sync.py's Keeper); per change (3 ranks -> 2, one lost), the new
 round's agreement and reshard in memory, against a DCP checkpoint saved at 3 and loaded at 2 (the storage path).
 
-    python -m bench.reshard --out bench/results/reshard.json   # the 37M-parameter MLP with Adam, then the seed's
+    python -m bench.reshard --out bench/results/reshard.json   # the 37M-parameter MLP with Adam 3 times, the seed's
     python -m bench.reshard --hidden 512 --layers 1            # one MLP
 
 Times are medians over the ranks that stay. The in-memory path never gathers a whole tensor: a survivor sends
@@ -69,9 +69,9 @@ def _member(rank: int, store: str, hidden: int, layers: int, out: str) -> None:
     for i in range(4):
         steps.append(_timed(lambda: train_step(model, optimizer, i, rank)))
         rows, replicated = sharded.rows_of(model, optimizer)
-        if keeper is None:
-            keeper = Keeper("bench", rank, WORLD, sharded.specs_of(model, replicated, ["exp_avg", "exp_avg_sq"]))
-        keeps.append(_timed(lambda: keeper.advance(i + 1, rows, {"optimizer": replicated})))
+        keeper = keeper or Keeper("bench", rank, WORLD)
+        specs = sharded.specs_of(model, optimizer)
+        keeps.append(_timed(lambda: keeper.advance(i + 1, rows, specs, {"optimizer": replicated})))
     msd, osd = get_state_dict(model, optimizer)
     save_s = _timed(lambda: sharded_files.save(os.path.join(out, "ckpt"), 4, {"model": msd, "optim": osd}, {}))
     state_bytes = sum(t.numel() * t.element_size() for t in rows.values())
@@ -99,7 +99,8 @@ def _member(rank: int, store: str, hidden: int, layers: int, out: str) -> None:
 
 
 def _dcp_load(out: str, hidden: int, layers: int, group) -> None:
-    """The storage path at the new size: a fresh model wrapped for the new mesh, loaded from the DCP save."""
+    """The storage path at the new size: a model wrapped for the new mesh as the in-memory path wraps it (never
+    whole), loaded from the DCP save (written a moment ago: its files are likely in the page cache)."""
     from elastic_mnist.state import format as checkpoint
     from elastic_mnist.state import sharded_files
     from elastic_mnist.worker import sharded
@@ -109,8 +110,8 @@ def _dcp_load(out: str, hidden: int, layers: int, group) -> None:
     directory = os.path.join(out, "ckpt")
     with open(checkpoint.path_for(directory, 4), "rb") as f:
         state = checkpoint.decode(f.read())
-    fp32 = sharded.precision_policy("fp32")
-    model = sharded.shard_blocks(build_model(hidden, 1, layers), sharded.mesh_of(group), fp32)
+    cpu, fp32 = torch.device("cpu"), sharded.precision_policy("fp32")
+    model = sharded.empty_sharded(lambda: build_model(hidden, 1, layers), sharded.mesh_of(group), fp32, cpu)
     optimizer = Adam(model.parameters(), lr=1e-3)
     msd, osd = get_state_dict(model, optimizer)  # initializes Adam's state to load into
     sharded_files.load(directory, state, {"model": msd, "optim": osd}, group)
@@ -142,9 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.reshard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, help="one MLP's width (default: the 37M-parameter one and the seed's)")
     parser.add_argument("--layers", type=int, default=1, help="its hidden layers")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the 37M-parameter MLP (its keep varies)")
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args(argv)
-    shapes = [(args.hidden, args.layers)] if args.hidden else [(4096, 3), (512, 1)]
+    shapes = [(args.hidden, args.layers)] if args.hidden else [(4096, 3)] * args.repeats + [(512, 1)]
     cases = []
     for hidden, layers in shapes:
         print(f"reshard bench: {WORLD} gloo processes, MLP {hidden}x{layers}", file=sys.stderr, flush=True)

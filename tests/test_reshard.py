@@ -129,6 +129,7 @@ def test_each_rank_receives_its_ring_predecessors_rows(tmp_path, world):
     run_group(_ring, world, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [f"ring-{r}" for r in range(world)]
 
+
 def test_a_ring_copy_cut_short_leaves_the_step_before_it_whole():
     """Old rank 2 of 3 died inside step 8's ring copy: old 0 and 1 hold their rows of 8 without a copy of it, and
     both rows and copies of step 7; old 2's rows are whole only at 7 (in old 0's copy)."""

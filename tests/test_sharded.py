@@ -31,7 +31,7 @@ def _member(rank: int, world: int, out_dir: str) -> None:
     for i in range(2):
         step(model, optimizer, i, rank)
     rows, replicated = sharded.rows_of(model, optimizer)
-    specs = sharded.specs_of(model, replicated, ["exp_avg", "exp_avg_sq"])
+    specs = sharded.specs_of(model, optimizer)
     buddy = ring_copy(rows, specs, world, rank)
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, "dcp"))

@@ -57,7 +57,7 @@ def test_a_rank_takes_only_its_rows_of_each_tensor():
     assert torch.equal(torch.cat([p["optimizer.0.weight.exp_avg"] for p in parts]), moments)
 
 
-def test_an_offer_no_round_could_hold_is_refused_by_every_rank_alike():
+def test_an_offer_no_round_could_hold_is_refused():
     from elastic_mnist.state.sharded_sync import Offer, TransferRefused, _decode_offer, _encode_offer
 
     good = Offer("L", 7, 2, 3, 7)
@@ -65,3 +65,12 @@ def test_an_offer_no_round_could_hold_is_refused_by_every_rank_alike():
     for bad in (["L", 7, 3, 3, 7], ["L", 7, 0, 10**12, 7], ["L", 7, 0, 3, 8], ["", 7, 0, 3, 7], ["L", -5, 0, 3, -1]):
         with pytest.raises(TransferRefused, match="same elastic-mnist"):
             _decode_offer(bad)
+
+
+def test_a_weight_tied_under_two_names_stays_a_parameter():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight  # one parameter, two names in the state dict
+    optimizer = Adam(model.parameters(), lr=0.01)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    rows, rest = sharded.from_whole(state, model, optimizer, world=2, rank=1)
+    assert rest["model"]["buffers"] == {} and set(rows) == {"model.0.weight", "model.0.bias", "model.2.bias"}

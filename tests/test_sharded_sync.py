@@ -4,8 +4,9 @@ rank 3 joins in the same change. The new round agrees on the state in memory: ra
 copy, the joiner receives only its own rows and the rest (the optimizer's step and learning rate, the
 scheduler, the RNG, the progress) as verified bytes, and every parameter and optimizer tensor, gathered, is
 bit-identical to what the old round held. With two ring neighbours lost at once nothing in memory is whole,
-and every rank learns the state must come from storage. The new round trains on and a rank is lost after a
-step, before its ring copy: the two left agree on the step before, whole."""
+and every rank learns the state must come from storage. The new round trains on and its rank 0 is lost after a
+step, before its ring copy; the two left and a rank that comes back agree on the step before, whole, sent by
+the lowest holder, which is not the group's first rank."""
 
 import os
 from pathlib import Path
@@ -45,11 +46,10 @@ class Round:
         self.keep(done)
 
     def keep(self, done: int) -> None:
-        rows, rest = sharded.split_state(self.objects, self.learner.model, self.learner.optimizer)
-        if self.keeper is None:
-            specs = sharded.specs_of(self.learner.model, rest["optimizer"]["per_parameter"], ["exp_avg", "exp_avg_sq"])
-            self.keeper = Keeper(self.lineage, self.rank, self.world, specs, self.group)
-        self.keeper.advance(done, rows, {**rest, "progress": {"step": done}})
+        model, optimizer = self.learner.model, self.learner.optimizer
+        rows, rest = sharded.split_state(self.objects, model, optimizer)
+        self.keeper = self.keeper or Keeper(self.lineage, self.rank, self.world, self.group)
+        self.keeper.advance(done, rows, sharded.specs_of(model, optimizer), {**rest, "progress": {"step": done}})
 
     def snapshot(self) -> dict:
         """Collective: the whole state, with the learning rate and the scheduler's count."""
@@ -59,10 +59,11 @@ class Round:
     def take(self, held: list, name: str, out_dir: str) -> int:
         """Agree on the state in memory and load it; the step it was of."""
         moved = agree_sharded(held, self.rank, self.world, torch.device("cpu"), KEY, self.group)
-        assert moved is not None and moved.owner == 0 and moved.replicated["progress"] == {"step": moved.step}
+        assert moved is not None and moved.replicated["progress"] == {"step": moved.step}
         sharded.load_state(self.objects, self.learner.model, self.learner.optimizer, moved.rows, moved.replicated)
         received = sum(t.numel() * t.element_size() for t in moved.rows.values())
-        torch.save({"after": self.snapshot(), "received": received, "sent": moved.sent, "step": moved.step},
+        torch.save({"after": self.snapshot(), "received": received, "sent": moved.sent, "step": moved.step,
+                    "owner": moved.owner},
                    os.path.join(out_dir, f"{name}-{self.rank}.pt"))
         return moved.step
 
@@ -73,9 +74,9 @@ def _save(out_dir: str, name: str, state: dict, rank: int) -> None:
 
 
 def _round_b(rank: int, g023, out_dir: str, kept: list) -> list:
-    """Old ranks 0, 2 and the joiner take round a's state, train step 3 and keep it; step 4 is trained, and the
-    joiner dies before its ring copy. Whether the others' loss shows in step 4's collectives or in its ring
-    copy, step 3 is the newest step whole in memory. What each left keeps."""
+    """Old ranks 0, 2 and the joiner take round a's state, train step 3 and keep it; step 4 is trained, and rank
+    0 dies before its ring copy. Whether the others' loss shows in step 4's collectives or in its ring copy,
+    step 3 is the newest step whole in memory. What each left keeps."""
     b = Round(g023, {0: 0, 2: 1, 3: 2}[rank], 3, "round-b", fresh=False)
     assert b.take(kept, "after-a", out_dir) == 2
     b.train(3)
@@ -83,7 +84,7 @@ def _round_b(rank: int, g023, out_dir: str, kept: list) -> list:
     try:
         step(b.learner.model, b.learner.optimizer, 3, b.rank)
         b.learner.scheduler.step()
-        if rank == 3:
+        if rank == 0:
             os._exit(0)  # lost after step 4, before its ring copy
         b.keep(4)
     except RuntimeError:  # the lost peer, in step 4's collectives or in its ring copy
@@ -92,21 +93,21 @@ def _round_b(rank: int, g023, out_dir: str, kept: list) -> list:
 
 
 def _change(rank: int, world: int, out_dir: str) -> None:
-    g012, g023, g03, g02 = (dist.new_group(r) for r in ([0, 1, 2], [0, 2, 3], [0, 3], [0, 2]))
+    g012, g023, g03, g123 = (dist.new_group(r) for r in ([0, 1, 2], [0, 2, 3], [0, 3], [1, 2, 3]))
     kept = []
     if rank < 3:
         a = Round(g012, rank, 3, "round-a", fresh=True)
         a.train(1)
         a.train(2)
         _save(out_dir, "before-a.pt", a.snapshot(), rank)
-        kept = a.keeper.steps
-    if rank == 1:  # lost
-        return
-    if rank != 2:  # old ranks 1 and 2 both gone: old rank 1's rows are nowhere
+        kept = a.keeper.steps if rank != 1 else []  # rank 1 is lost, and comes back later as a new process
+    if rank in (0, 3):  # old ranks 1 and 2 both gone: old rank 1's rows are nowhere
         assert agree_sharded(kept, {0: 0, 3: 1}[rank], 2, torch.device("cpu"), KEY, g03) is None
         Path(out_dir, f"storage-{rank}").write_text("none")
-    kept = _round_b(rank, g023, out_dir, kept)
-    assert Round(g02, {0: 0, 2: 1}[rank], 2, "round-c", fresh=False).take(kept, "after-b", out_dir) == 3
+    if rank != 1:
+        kept = _round_b(rank, g023, out_dir, kept)  # rank 1 lost and rank 3 joined at once; rank 0 lost at the end
+    # Rank 1 joins ranks 2 and 3 (group ranks 0, 1, 2): the state's lowest holder, group rank 1, sends it the rest.
+    assert Round(g123, rank - 1, 3, "round-c", fresh=False).take(kept, "after-b", out_dir) == 3
 
 
 def _same(got: dict, want: dict) -> bool:
@@ -127,6 +128,8 @@ def test_kills_and_a_join_agree_on_the_newest_state_whole_in_memory(tmp_path):
     assert torch.load(tmp_path / "after-a-2.pt")["sent"] == 0  # the joiner held nothing to send
     assert (tmp_path / "storage-0").exists() and (tmp_path / "storage-3").exists()
     before = torch.load(tmp_path / "before-b.pt")
-    for rank in range(2):
+    for rank in range(3):
         got = torch.load(tmp_path / f"after-b-{rank}.pt")
-        assert got["step"] == 3 and _same(got["after"], before), rank
+        assert got["step"] == 3 and _same(got["after"], before) and got["owner"] == 1, rank
+        assert got["received"] < whole / 2
+    assert torch.load(tmp_path / "after-b-0.pt")["sent"] == 0  # the joiner

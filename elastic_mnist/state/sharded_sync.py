@@ -8,10 +8,10 @@ tensor, the copy of its ring predecessor's rows, and the replicated rest (the op
 the progress: a dict every rank of the round holds alike). Two, because a rank lost inside the ring copy of
 step S leaves the survivors with rows of S but not every copy of S, while S-1 is whole. The ranks all-gather
 what they hold (`reshard.Offer`s); `from_memory` picks the newest state whose every old shard some rank holds.
-The lowest rank holding it sends the replicated rest and the tensors' shapes to the ranks that lack them (a
-joiner, a rank of another lineage), as the checkpoint format's verified bytes, never pickles; then one
-all-to-all moves the rows. None: no such state (two ring neighbours lost at once, or nothing in memory), and
-the state comes from storage.
+When some rank lacks it (a joiner, a rank of another lineage), the lowest rank holding it broadcasts the
+replicated rest and the tensors' shapes as the checkpoint format's verified bytes, never pickles, and the
+ranks that lack them read them; then one all-to-all moves the rows. None: no such state (two ring neighbours
+lost at once, or nothing in memory), and the state comes from storage.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from elastic_mnist.compat import private as compat
 from elastic_mnist.state import format as checkpoint
@@ -47,27 +48,34 @@ class Keeper:
     """This rank's shares of its round's last two steps (newest first), refreshed after every optimizer step.
     Each `advance` writes into the older step's tensors: hand `steps` to the agreement before the next one."""
 
-    def __init__(self, lineage: str, rank: int, world: int, specs: dict[str, torch.Tensor], group=None) -> None:
-        self.lineage, self.rank, self.world, self.specs, self.group = lineage, rank, world, specs, group
+    def __init__(self, lineage: str, rank: int, world: int, group=None) -> None:
+        self.lineage, self.rank, self.world, self.group = lineage, rank, world, group
         self.steps: list[Kept] = []
 
-    def advance(self, step: int, rows: dict[str, torch.Tensor], replicated: dict) -> None:
-        """Collective over the round: keep a copy of this rank's rows of `step` (in the older step's buffers)
-        and of `replicated`, then send the rows to the ring successor. A peer lost inside that raises, leaving
-        `step` held without its copy and the step before it whole."""
+    def advance(self, step: int, rows: dict[str, torch.Tensor], specs: dict[str, torch.Tensor],
+                replicated: dict) -> None:
+        """Collective over the round: keep a copy of this rank's rows of `step` (in the older step's buffers
+        where they fit) and of `replicated`, then send the rows to the ring successor. A peer lost inside that
+        raises, leaving `step` held without its copy and the step before it whole. `specs`: `rows`' tensors
+        whole (they change when the optimizer's state first appears)."""
         spare = self.steps.pop() if len(self.steps) == 2 else None
         names = sorted(rows)
-        if spare is not None and all(spare.rows[n].shape == rows[n].shape for n in names):
+        if spare is not None and _fits(spare.rows, rows):
             compat.foreach_copy_([spare.rows[n] for n in names], [rows[n] for n in names])
             own = spare.rows
         else:
             own = {n: rows[n].detach().clone() for n in names}
         # Copies: the optimizer's step counts and the like change in place at the next step.
         replicated = map_tensors(replicated, lambda t: t.detach().clone())
-        kept = Kept(Offer(self.lineage, step, self.rank, self.world), own, {}, self.specs, replicated)
+        kept = Kept(Offer(self.lineage, step, self.rank, self.world), own, {}, specs, replicated)
         self.steps.insert(0, kept)
-        kept.copy = ring_copy(own, self.specs, self.world, self.rank, self.group, spare.copy if spare else None)
+        kept.copy = ring_copy(own, specs, self.world, self.rank, self.group, spare.copy if spare else None)
         kept.offer = replace(kept.offer, copy_step=step if self.world > 1 else -1)
+
+
+def _fits(buffers: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> bool:
+    return set(buffers) == set(rows) and all(
+        buffers[n].shape == t.shape and buffers[n].dtype == t.dtype for n, t in rows.items())
 
 
 @dataclass
@@ -88,8 +96,7 @@ def agree_sharded(held: list[Kept], rank: int, world: int, device: torch.device,
                   group=None) -> Moved | None:
     """Collective over the new round (`group`, or the default one; `rank` and `world` in it). `held`: what this
     rank keeps (a Keeper's steps; a joiner: [])."""
-    mine = json.dumps([_encode_offer(k.offer) for k in held]).encode()
-    offers = [tuple(_decode_offer(o) for o in json.loads(b)) for b in all_gather_bytes(mine, group)]
+    offers = _all_offers(held, group)
     found = from_memory(offers)
     if found is None:
         return None
@@ -97,16 +104,51 @@ def agree_sharded(held: list[Kept], rank: int, world: int, device: torch.device,
     same = [r for r, os in enumerate(offers) if any((o.lineage, o.step) == (state.lineage, state.step) for o in os)]
     owner, holds = same[0], rank in same
     mine = next((k for k in held if (k.offer.lineage, k.offer.step) == (state.lineage, state.step)), None)
-    specs, replicated = (mine.specs, mine.replicated) if holds else ({}, {})
+    # Copies: what the round's objects load must not be what this rank keeps (a task's state may update in place).
+    specs, replicated = (mine.specs, map_tensors(mine.replicated, torch.clone)) if holds else ({}, {})
     if len(same) < world:
-        state_bytes = {"step": state.step, "specs": _spec_rows(specs), "replicated": replicated}
-        blob = broadcast_bytes(checkpoint.encode(state_bytes, key) if rank == owner else b"", owner, group)
-        if not holds:
-            sent = checkpoint.decode(blob, f"the sharded state from rank {owner}", key)
-            specs, replicated = _specs(sent["specs"]), sent["replicated"]
+        specs, replicated = _from_owner(state, specs, replicated, owner, holds, key, group)
     shards = _shards(mine, state.step) if holds else {}
     rows, sent = reshard(shards, specs, Change(state.old_world, world, rank, held_by), device, group)
     return Moved(state.step, rows, specs, replicated, sent, owner)
+
+
+def _all_offers(held: list[Kept], group) -> list[tuple[Offer, ...]]:
+    """Every rank's offers, checked alike on every rank: a state two ranks describe differently (another size,
+    one old rank twice) is not this package's, and every rank refuses it."""
+    mine = json.dumps([_encode_offer(k.offer) for k in held]).encode()
+    offers = [tuple(_decode_offer(o) for o in json.loads(b)) for b in all_gather_bytes(mine, group)]
+    seen: dict[tuple, tuple[int, set]] = {}
+    for offer in (o for each in offers for o in each):
+        old_world, ranks = seen.setdefault((offer.lineage, offer.step), (offer.old_world, set()))
+        if offer.old_world != old_world or offer.old_rank in ranks:
+            raise TransferRefused(f"two ranks describe step {offer.step} of round {offer.lineage!r} differently: "
+                                  "check that every node runs the same elastic-mnist")
+        ranks.add(offer.old_rank)
+    return offers
+
+
+def _from_owner(state: Offer, specs: dict, replicated: dict, owner: int, holds: bool, key: bytes | None,
+                group) -> tuple[dict, dict]:
+    """The owner's shapes and replicated rest, broadcast to the round, read by the ranks that lack them. Every
+    rank then learns whether all of them could, so none is left waiting in the reshard."""
+    mine = b""
+    if holds and dist.get_rank(group) == owner:
+        mine = checkpoint.encode({"step": state.step, "specs": _spec_rows(specs), "replicated": replicated}, key)
+    blob, problem = broadcast_bytes(mine, owner, group), ""
+    if not holds:
+        try:
+            sent = checkpoint.decode(blob, f"the sharded state from rank {owner}", key)
+            if sent["step"] != state.step:
+                raise checkpoint.CheckpointError(f"it is of step {sent['step']}, the round agreed on {state.step}")
+            specs, replicated = _specs(sent["specs"]), sent["replicated"]
+        except Exception as e:  # noqa: BLE001 - whatever a rank cannot read, every rank must learn of
+            problem = f"{type(e).__name__}: {e}"[:500]
+    problems = [b.decode() for b in all_gather_bytes(problem.encode(), group) if b]
+    if problems:
+        raise TransferRefused(f"a rank could not read the sharded state rank {owner} sent ({problems[0]}); every "
+                              "rank gives this state up")
+    return specs, replicated
 
 
 def _shards(mine: Kept, step: int) -> dict[str, dict[int, torch.Tensor]]:

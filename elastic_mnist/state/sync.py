@@ -136,7 +136,8 @@ def all_gather_bytes(data: bytes, group=None) -> list[bytes]:
         raise TransferRefused(f"a peer announced a {longest:,}-byte message during the state agreement, over the "
                               f"cap of {MESSAGE_CAP:,}: not this package's protocol; check what runs on every node")
     mine = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    if data:  # torch cannot view an empty buffer
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     wait(dist.all_gather(gathered, mine, group=group, async_op=True))
     return [t[:int(n)].cpu().numpy().tobytes() for t, n in zip(gathered, sizes)]
@@ -155,7 +156,7 @@ def broadcast_bytes(data: bytes, src: int, group=None) -> bytes:
         raise TransferRefused(f"rank {src} announced a {int(size):,}-byte state, more than a rank of this group can "
                               "hold (half its available memory): free memory on the nodes, or fewer per node")
     buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
-    if me == src:
+    if me == src and data:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     wait(dist.broadcast(buf, group=group, group_src=src, async_op=True))
     return buf.cpu().numpy().tobytes()

@@ -69,17 +69,15 @@ def rows_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     return rows, replicated
 
 
-def specs_of(model: nn.Module, replicated: dict, state_keys: list[str]) -> dict[str, torch.Tensor]:
-    """The whole shape and dtype of every sharded tensor `rows_of` names (meta tensors): the parameters', and
-    for each of `state_keys` (Adam: exp_avg, exp_avg_sq) one like its parameter, where the optimizer keeps
-    state for it (`replicated` names the parameters it has state for, by their step)."""
+def specs_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The whole shape and dtype of every sharded tensor `rows_of` names, as meta tensors: each parameter's, and
+    each of the optimizer's sharded values it holds now (Adam's moments, SGD's momentum, once they exist)."""
     specs = {}
-    with_state = {k.rsplit(".", 1)[0] for k in replicated}
     for name, p in model.named_parameters():
         specs[f"model.{name}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
-        if name in with_state:
-            for key in state_keys:
-                specs[f"optimizer.{name}.{key}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, DTensor):
+                specs[f"optimizer.{name}.{key}"] = torch.empty(value.shape, dtype=value.dtype, device="meta")
     return specs
 
 
@@ -113,14 +111,14 @@ def split_state(objects: dict, model: nn.Module, optimizer: torch.optim.Optimize
     names = {id(p): name for name, p in model.named_parameters()}
     groups = [{**group, "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
     rest = {name: obj.state_dict() for name, obj in objects.items() if name not in SHARDED_OBJECTS}
-    return rows, {**rest, "model": {"buffers": _buffers(model.state_dict(), names.values())},
+    return rows, {**rest, "model": {"buffers": _buffers(model.state_dict(), model)},
                   "optimizer": {"per_parameter": scalars, "groups": groups}}
 
 
-def _buffers(model_state: dict, params) -> dict:
-    """The model's persistent buffers (a BatchNorm's running statistics): fully_shard leaves them whole."""
-    params = set(params)
-    return {name: value for name, value in model_state.items() if name not in params}
+def _buffers(model_state: dict, model: nn.Module) -> dict:
+    """The model's persistent buffers (a BatchNorm's running statistics), which fully_shard leaves whole: by the
+    model's buffer names, so a weight tied under two names stays a parameter."""
+    return {name: model_state[name] for name, _ in model.named_buffers() if name in model_state}
 
 
 def load_state(objects: dict, model: nn.Module, optimizer: torch.optim.Optimizer, rows: dict, rest: dict) -> None:
@@ -157,7 +155,7 @@ def from_whole(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer, 
                 per_parameter[f"{name}.{key}"] = value
     groups = [{**group, "params": [order[i] for i in group["params"]]} for group in state["optimizer"]["param_groups"]]
     rest = {name: value for name, value in state.items() if name not in SHARDED_OBJECTS}
-    return rows, {**rest, "model": {"buffers": _buffers(state["model"], names.values())},
+    return rows, {**rest, "model": {"buffers": _buffers(state["model"], model)},
                   "optimizer": {"per_parameter": per_parameter, "groups": groups}}
 
 
