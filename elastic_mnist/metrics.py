@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 
@@ -17,7 +16,7 @@ from elastic_mnist import procs, volume
 from elastic_mnist.contract.env import started_at
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.files import atomic_write
-from elastic_mnist.runlog import RunLog
+from elastic_mnist.runlog import RunLog, say
 
 FINAL_OUTPUTS = ("model.pt", "summary.json")  # what rank 0 replaces in --log-dir when training ends
 OUTPUTS_MARK = ".elastic-mnist-outputs"  # written before them: the two files there are this runtime's
@@ -98,7 +97,7 @@ class Metrics:
     def warn(self, msg: str) -> None:
         if self.journal is not None:
             self.journal.event("warning", message=msg)
-        print(f"[rank {self.rank}] {msg}", file=sys.stderr, flush=True)
+        say(f"[rank {self.rank}] {msg}")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """TensorBoard scalars (rank 0). On a full or read-only log volume they are skipped, with the volume's

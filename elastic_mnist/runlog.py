@@ -28,6 +28,13 @@ if TYPE_CHECKING:  # the launcher reads run logs without importing torch
 EVENTS = "events"
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write. Workers run unbuffered (PYTHONUNBUFFERED), where print() writes a line's
+    text and its newline apart, and the ranks of a node share one stderr: their lines would interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def events_dir(log_dir: str) -> str:
     """Where the event journal of a run with this --log-dir lives."""
     return os.path.join(log_dir, EVENTS)
@@ -45,7 +52,7 @@ class RunLog:
         name = f"restart{restart:03d}-rank{rank:03d}-pid{os.getpid()}.jsonl"
 
         def warn(message: str) -> None:  # not through the journal: it may be what cannot be written
-            print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+            say(f"[rank {rank}] {message}")
         self._samples = _Appender(sample_dir, name, "sample records", warn) if sample_dir else None
         self._events = _Appender(events_dir(log_dir), name, "the event journal", warn) if log_dir else None
 

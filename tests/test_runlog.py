@@ -126,3 +126,22 @@ def test_events_are_records_and_the_live_view_picks_them_by_kind(tmp_path, capsy
     shown = capsys.readouterr().out.splitlines()
     assert len(shown) == 2 and "[n0] [train] step 5" in shown[0] and "[n1] peer lost near step 5" in shown[1]
     assert tail.poll_events() == [], "each record is handed out once"
+
+
+def test_a_warning_line_is_one_write(monkeypatch):
+    """Workers run unbuffered, where print() writes a line's text and its newline apart: the ranks sharing a
+    stderr would interleave their lines. say() writes each line whole, at once."""
+    from elastic_mnist import runlog
+
+    class Stream:
+        writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(runlog.sys, "stderr", Stream())
+    runlog.say("[rank 1] snapshots off on this worker: why")
+    assert Stream.writes == ["[rank 1] snapshots off on this worker: why\n"]
