@@ -58,6 +58,8 @@ class TrainConfig:
     """fp32; bf16: autocast to bfloat16 (CPU or GPU); fp16: autocast to float16 with a checkpointed GradScaler."""
     grad_clip: float = 0.0
     """Clip the gradient's global norm to this before each optimizer step (fp16: after unscaling; 0: off)."""
+    parallel: str = "ddp"
+    """ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state sharded (fully_shard)."""
     grad_accum: int = 1
     """Micro-batches each rank splits its share of a global step into (the step's samples stay the same)."""
     hidden: int = 512
@@ -127,6 +129,17 @@ class TrainConfig:
             raise UserError(f"--input must be memory or dataloader, got {self.input!r}")
         if self.checkpoint_storage not in ("shared", "local"):
             raise UserError(f"--checkpoint-storage must be shared or local, got {self.checkpoint_storage!r}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.parallel not in ("ddp", "fsdp"):
+            raise UserError(f"--parallel must be ddp or fsdp, got {self.parallel!r}")
+        if self.parallel == "fsdp" and self.checkpoint_storage == "local":
+            raise UserError("--parallel fsdp needs --checkpoint-storage shared: every rank of a later round reads "
+                            "the rows every rank of this one wrote")
+        if self.parallel == "fsdp" and self.precision == "fp16":
+            raise UserError("--parallel fsdp trains at --precision fp32 or bf16 (fp16's GradScaler does not take "
+                            "sharded gradients): use bf16")
 
     def _check_finite(self) -> None:
         """Every float flag at once: the range checks below (`<= 0`) let nan and inf through."""

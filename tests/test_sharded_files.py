@@ -55,7 +55,7 @@ def test_saved_at_three_loaded_at_two_and_whole_and_refused_when_damaged(tmp_pat
     whole = sharded_files.load_whole(directory, state)
     assert {k for k in before if before[k].dim()} <= set(whole)
     assert all(torch.equal(whole[k], before[k]) for k in before if before[k].dim())
-    replicated = sharded.to_whole(whole, state)  # a run that does not shard resumes from it
+    replicated = sharded_files.to_whole(whole, state)  # a run that does not shard resumes from it
     model = build_model(HIDDEN, seed=1)
     optimizer = Adam(model.parameters(), lr=0.5)
     model.load_state_dict(replicated["model"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from elastic_mnist.state import sharded_files
 from elastic_mnist.worker import sharded
 from elastic_mnist.worker.optim import Adam
 
@@ -33,7 +34,7 @@ def test_a_ddp_state_split_into_rows_and_read_back_whole_is_unchanged():
     assert rest["scheduler"] == {"last_epoch": 2} and [g["lr"] for g in rest["optimizer"]["groups"]] == [0.01, 0.05]
     # What DCP's files hold of a sharded save, read whole: the rows' tensors under DCP's flattened names.
     whole = {("optim.state." + k[len("optimizer."):] if k.startswith("optimizer.") else k): v for k, v in rows.items()}
-    back = sharded.to_whole(whole, rest)
+    back = sharded_files.to_whole(whole, rest)
     fresh, fresh_opt = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3)), None
     fresh.load_state_dict(back["model"])
     fresh_opt = Adam([{"params": fresh[0].parameters()}, {"params": fresh[3].parameters()}], lr=0.5)

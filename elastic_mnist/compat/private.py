@@ -268,6 +268,30 @@ def abort_process_group() -> bool:
     return True
 
 
+def import_sharding() -> None:
+    """What sharded training imports on first use: FSDP2 and DTensor, and torch._dynamo, which the first
+    fully_shard imports through torch._disable_dynamo (most of a second). Called by a worker that trains
+    sharded before its node joins, so no round waits for it."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+
+def forget_meshes() -> None:
+    """DTensor's sharding caches keep every mesh they met, and a mesh equals an earlier one of the same ranks
+    whatever this process's rank in it was: a later round of sharded training would be handed the earlier
+    round's mesh (its offsets, its process groups). A round's meshes go when its groups do. Checked when
+    called: the module is imported only by sharded training (its import is a cost other workers skip)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:
+        return
+    what = "DTensor's sharding propagation caches"
+    dispatcher = require(require(tensor, "DTensor", what), "_op_dispatcher", what)
+    prop = require(dispatcher, "sharding_propagator", what)
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        require(require(prop, name, what), "cache_clear", what)()
+
+
 # -- the C++ Store trampoline (rendezvous/store.py) ------------------------------------------------------------
 # A Python Store reached through a C++ PrefixStore (what torchrun's agent hands around) is called by these
 # C++ names for some operations, by its Python names for the others.

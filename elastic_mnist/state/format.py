@@ -199,6 +199,15 @@ def path_for(directory: str, step: int) -> str:
     return os.path.join(directory, f"ckpt-{step:09d}.pt")
 
 
+SHARDS_KEY = "shards"
+"""The key of a sharded run's checkpoint that names its rows' directory and their files' sha256."""
+
+
+def shards_of(path: str) -> str:
+    """The directory beside a sharded run's checkpoint file that holds its rows (state/sharded_files.py)."""
+    return path.removesuffix(".pt") + ".shards"
+
+
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of every checkpoint-named file, newest first; temp files are not listed."""
     try:

@@ -58,6 +58,8 @@ class Held:
     rng: dict
     """The RNG as the round ended (forming the next round's groups may draw from it)."""
     world_size: int
+    kept: tuple = ()
+    """Sharded training: this rank's rows of the round's last steps (state/sharded_sync.py's Keeper.steps)."""
 
 
 class CheckpointManager:
@@ -109,6 +111,10 @@ class CheckpointManager:
             self.metrics.event("start", f"[start] fresh run at world size {self.env.world_size} "
                                f"(no checkpoint in {self.config.checkpoint_dir})", world_size=self.env.world_size)
             return
+        if checkpoint.SHARDS_KEY in state:  # a sharded run's checkpoint: its rows read whole, here
+            from elastic_mnist.state.sharded_files import read_whole
+
+            state = read_whole(self.config.checkpoint_dir, state)
         load_into({**objects, "progress": progress}, state, source)
         progress.step = state["step"]
         progress.resumes += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,27 +25,35 @@ from elastic_mnist import files
 from elastic_mnist.distributed import wait
 from elastic_mnist.state import format as checkpoint
 
-SHARDS_KEY = "shards"
-"""The checkpoint key naming a sharded checkpoint's directory and its files' sha256."""
+SHARDS_KEY = checkpoint.SHARDS_KEY
 
 
 def shards_dir(directory: str, step: int) -> str:
-    return os.path.join(directory, f"ckpt-{step:09d}.shards")
+    return checkpoint.shards_of(checkpoint.path_for(directory, step))
 
 
 def save(directory: str, step: int, sharded: dict, state: dict, key: bytes | None = None, group=None) -> bool:
     """Collective over `group`: DCP writes every rank's rows of `sharded` (a state dict of DTensors), then
     global rank 0 of the group publishes the checkpoint file of `state` (the rest: step, progress, config).
-    True on every rank when this call published the step; False when it existed already (left as it was)."""
+    True on every rank when this call published the step; False when it existed already (left as it was);
+    OSError on every rank when the volume could not take it (DCP raises its write errors on every rank too)."""
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".ckpt-{step:09d}.shards.tmp-{_shared_token(group)}")
     dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    published = torch.zeros(1, dtype=torch.int64)
+    published, problem = torch.zeros(1, dtype=torch.int64), ""
     if dist.get_rank(group) == 0:
-        published[0] = int(_publish(directory, step, tmp, state, key))
+        try:
+            published[0] = int(_publish(directory, step, tmp, state, key))
+        except OSError as e:  # a full or read-only volume: every rank must learn it, none waits for the publish
+            published[0], problem = _FAILED, str(e)
     wait(dist.broadcast(published, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group,
                         async_op=True))
+    if published[0] == _FAILED:
+        raise OSError(problem or f"the checkpoint of step {step} could not be published in {directory}")
     return bool(published[0])
+
+
+_FAILED = 2
 
 
 def _publish(directory: str, step: int, tmp: str, state: dict, key: bytes | None) -> bool:
@@ -90,13 +99,26 @@ def load(directory: str, state: dict, sharded: dict, group=None) -> None:
     dcp.load(sharded, storage_reader=dcp.FileSystemReader(verified_dir(directory, state)), process_group=group)
 
 
+def load_listed(directory: str, state: dict, make: Callable[[dict[str, torch.Tensor]], dict], group=None) -> None:
+    """Collective: DCP loads the verified shards into `make(specs)`, the DTensors of this round's mesh built for
+    the tensors the checkpoint lists (`specs`: each one whole, as a meta tensor), in place."""
+    where = verified_dir(directory, state)
+    sharded = make(_listed(dcp.FileSystemReader(where)))
+    dcp.load(sharded, storage_reader=dcp.FileSystemReader(where), process_group=group)
+
+
 def load_whole(directory: str, state: dict) -> dict[str, torch.Tensor]:
     """Every sharded tensor whole, read by this process alone (no process group)."""
     reader = dcp.FileSystemReader(verified_dir(directory, state))
-    meta = reader.read_metadata().state_dict_metadata
-    whole = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in meta.items() if hasattr(m, "size")}
+    whole = {name: torch.empty(m.shape, dtype=m.dtype) for name, m in _listed(reader).items()}
     dcp.load(whole, storage_reader=reader, no_dist=True)
     return whole
+
+
+def _listed(reader) -> dict[str, torch.Tensor]:
+    meta = reader.read_metadata().state_dict_metadata
+    return {name: torch.empty(m.size, dtype=m.properties.dtype, device="meta") for name, m in meta.items()
+            if hasattr(m, "size")}
 
 
 def remove(directory: str, step: int) -> None:
@@ -104,3 +126,31 @@ def remove(directory: str, step: int) -> None:
     where = shards_dir(directory, step)
     if os.path.isdir(where) and not os.path.islink(where):
         shutil.rmtree(where)
+
+
+def read_whole(directory: str, state: dict) -> dict:
+    """A sharded checkpoint (its decoded file `state`) as a replicated run's state, read by this process alone."""
+    return to_whole(load_whole(directory, state), state)
+
+
+_SHARDED = ("model", "optimizer")  # the objects whose state a sharded checkpoint holds as rows
+
+
+def to_whole(whole: dict[str, torch.Tensor], rest: dict) -> dict:
+    """`from_whole`'s inverse: a sharded checkpoint read whole (`load_whole` of a DCP save of
+    `get_state_dict`: `model.<param>`, `optim.state.<param>.<key>`) with its rest (`split_state`'s) as a
+    replicated run's state, whose "model" and "optimizer" load into a model that is not sharded."""
+    groups = rest["optimizer"]["groups"]
+    order = [name for group in groups for name in group["params"]]
+    state = {}
+    for index, name in enumerate(order):
+        prefix = f"optim.state.{name}."
+        held = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
+        held.update({k[len(name) + 1:]: v for k, v in rest["optimizer"]["per_parameter"].items()
+                     if k.rsplit(".", 1)[0] == name})
+        if held:
+            state[index] = held
+    model = {**rest["model"]["buffers"], **{k[len("model."):]: v for k, v in whole.items() if k.startswith("model.")}}
+    param_groups = [{**group, "params": [order.index(n) for n in group["params"]]} for group in groups]
+    others = {k: v for k, v in rest.items() if k not in _SHARDED}
+    return {**others, "model": model, "optimizer": {"state": state, "param_groups": param_groups}}

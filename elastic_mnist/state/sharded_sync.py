@@ -90,6 +90,8 @@ class Moved:
     """Bytes of rows this rank sent (the replicated rest aside)."""
     owner: int
     """The new rank that sent the replicated rest (or would have)."""
+    lineage: str = ""
+    """The round that agreed on the state."""
 
 
 def agree_sharded(held: list[Kept], rank: int, world: int, device: torch.device, key: bytes | None = None,
@@ -110,7 +112,7 @@ def agree_sharded(held: list[Kept], rank: int, world: int, device: torch.device,
         specs, replicated = _from_owner(state, specs, replicated, owner, holds, key, group)
     shards = _shards(mine, state.step) if holds else {}
     rows, sent = reshard(shards, specs, Change(state.old_world, world, rank, held_by), device, group)
-    return Moved(state.step, rows, specs, replicated, sent, owner)
+    return Moved(state.step, rows, specs, replicated, sent, owner, state.lineage)
 
 
 def _all_offers(held: list[Kept], group) -> list[tuple[Offer, ...]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import threading
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from elastic_mnist.state.format import (
     list_checkpoints,
     path_for,
     read_checkpoint,
+    shards_of,
     write_durable,
     written_here,
 )
@@ -106,7 +108,14 @@ def prune(directory: str, keep: int, protect: str = "", verifier: Verifier | Non
                 removed.append(path)
             except FileNotFoundError:  # another writer pruned it first
                 pass
+            _drop_shards(shards_of(path))
     return removed
+
+
+def _drop_shards(where: str) -> None:
+    """A sharded checkpoint's rows go with its file (the file vouches for them; without it they are no step)."""
+    if os.path.isdir(where) and not os.path.islink(where):
+        shutil.rmtree(where, ignore_errors=True)  # another writer's prune may be removing it too
 
 
 def refuse_foreign(directory: str, error: type[UserError] = UserError) -> None:

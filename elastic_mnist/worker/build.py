@@ -12,8 +12,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from elastic_mnist import job_secret
+from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.errors import UserError
 from elastic_mnist.data.inputs import build_inputs
 from elastic_mnist.data.mnist import BatchPlan, Split, dataset_fingerprint
@@ -22,7 +24,7 @@ from elastic_mnist.metrics import Metrics, check_log_dir
 from elastic_mnist.runlog import RunLog
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager, Held, check_checkpoint_dir
-from elastic_mnist.state.registry import RngState, Stateful
+from elastic_mnist.state.registry import Progress, RngState, Stateful
 from elastic_mnist.worker.control import ControlPlane
 from elastic_mnist.worker.step import ScalerState
 from elastic_mnist.worker.task import RUNTIME_STATE, Task
@@ -39,7 +41,8 @@ class Process:
     data: tuple
     """(train, test) as the task gave them (tensor splits moved to the device once)."""
     plan: BatchPlan
-    learner: Learner
+    learner: Learner | None
+    """The learner (sharded training: the last round's; None before the first)."""
     objects: dict[str, Stateful]
     """Every stateful object by name (the runtime's, then the task's): what a checkpoint holds."""
     fingerprint: dict
@@ -60,16 +63,21 @@ def build_process(config, task: Task, device: torch.device, marks: dict | None =
         train, test = train.to(device), test.to(device)  # once: a round's share indexes them where they are
     marks["data"] = time.time()
     plan = BatchPlan(len(train), config.global_batch_size, config.seed)
-    model = task.build_model(config).to(device)
-    learner = _learner(task, model, config, plan.steps_per_epoch)
+    # Sharded training builds its learner at every round, for that round's ranks: never whole here. Its modules
+    # (a second and a half of imports) load now, before this node joins, not while a round waits for it.
+    learner = None
+    if config.parallel == "fsdp":
+        compat.import_sharding()
+    else:
+        learner = _learner(task, task.build_model(config).to(device), config, plan.steps_per_epoch)
     # Before its agent joins (the process is built first): a node that cannot save ends alone (NodeLocalError);
     # after the task's own checks, so a task's mistake leaves nothing behind.
     check_checkpoint_dir(config)
     fingerprint = {**config.fingerprint(), **task.fingerprint(config), "dataset": dataset_fingerprint(train)}
     key = checkpoint.checkpoint_key(job_secret.from_env())  # None for a job without a secret
     marks["built"] = time.time()
-    return Process(config, task, device, (train, test), plan, learner, registry_of(learner, config), fingerprint, key,
-                   marks=marks)
+    return Process(config, task, device, (train, test), plan, learner, registry_of(learner, config) if learner else {},
+                   fingerprint, key, marks=marks)
 
 
 def build_round(proc: Process, env: DistEnv, control: ControlPlane, stack: ExitStack,
@@ -82,7 +90,12 @@ def build_round(proc: Process, env: DistEnv, control: ControlPlane, stack: ExitS
     proc.rounds += 1
     metrics = Metrics(env.rank, config.log_dir, journal=runlog)
     stack.callback(metrics.close)
-    manager = CheckpointManager(config, env, metrics, proc.fingerprint, proc.key)
+    if config.parallel == "fsdp":  # imported here: DCP's import is a cost the replicated worker's start need not pay
+        from elastic_mnist.state.sharded_manager import ShardedCheckpoints
+
+        manager = ShardedCheckpoints(config, env, metrics, proc.fingerprint, proc.key, _sharded_round(proc))
+    else:
+        manager = CheckpointManager(config, env, metrics, proc.fingerprint, proc.key)
     stack.callback(manager.close)
     if proc.held is None:
         proc.objects["rng"].reset()  # a fresh run draws what an uninterrupted one would, whatever start-up drew
@@ -100,6 +113,22 @@ def build_trainer(config, env, task: Task, control: ControlPlane, stack: ExitSta
     from the newest state there is: a process and its one round at once. The worker's own path, and the
     tests' and benchmarks' in one process."""
     return build_round(build_process(config, task, device or torch.device("cpu"), marks), env, control, stack)
+
+
+def _sharded_round(proc: Process):
+    """This round's sharded learner, built for its ranks, replacing the last round's (whose state the round's
+    agreement moves into it); the round's checkpoint manager's view of it."""
+    from elastic_mnist.worker import sharded
+
+    if not dist.is_initialized():
+        raise UserError("--parallel fsdp runs under torchrun (for one process: torchrun --nproc-per-node 1 ...)")
+    config, progress = proc.config, proc.learner.progress if proc.learner else Progress()
+    mesh = sharded.mesh_of(None, proc.device.type, f"round{proc.rounds}")
+    proc.learner = sharded_learner(proc.task, config, mesh, proc.device, proc.plan.steps_per_epoch)
+    proc.learner.progress = progress
+    proc.objects = registry_of(proc.learner, config)
+    return sharded.ShardedState({**proc.objects, "progress": progress}, proc.learner.model, proc.learner.optimizer,
+                                initial=lambda: proc.task.build_model(config))
 
 
 def sharded_learner(task: Task, config, mesh, device: torch.device, steps_per_epoch: int,

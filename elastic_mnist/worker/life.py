@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic_mnist import distributed, graveyard
+from elastic_mnist.compat import private as compat
 from elastic_mnist.contract import exit_codes, kept
 from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
@@ -202,6 +203,7 @@ class Life:
         # many rounds. Now, while the agent forms the next round, rather than never.
         started = time.monotonic()
         control_threads_ended(RELEASE_WAIT_S)
+        compat.forget_meshes()
         gc.collect()
         graveyard.drained(RELEASE_WAIT_S)  # what the round let go of is gone before it is counted
         trim_heap()
@@ -238,7 +240,7 @@ class Life:
         return self.last.save_on_failure()
 
     def _step(self) -> int:
-        return self.proc.learner.progress.step if self.proc is not None else -1
+        return self.proc.learner.progress.step if self.proc is not None and self.proc.learner else -1
 
     def _journal(self, kind: str, **fields) -> None:
         """A record of this process between rounds, as one of its last round's (whose journal is closed)."""
@@ -272,10 +274,11 @@ def write_final(config, trainer: Trainer, summary: dict) -> int:
         trainer.metrics.warn(f"the final state (step {step}) is not in {config.checkpoint_dir}, which cannot be "
                              f"written: {manager.unsaved}; exiting {exit_codes.SAVE_FAILED}: a restart with the same "
                              "run id resumes it there and writes it once the volume has room")
+    weights = whole_weights(trainer.model)  # collective under sharded training
     if trainer.rank != 0:
         return exit_codes.SAVE_FAILED if manager.unsaved else exit_codes.OK
     buf = io.BytesIO()
-    torch.save(cpu_snapshot(trainer.model.state_dict()), buf)
+    torch.save(cpu_snapshot(weights), buf)
     where = f"in {config.log_dir}/summary.json"
     if not trainer.metrics.write_outputs(buf.getvalue(), summary):
         where = f"not written ({config.log_dir} cannot be written); the trained state is in " + \
@@ -284,6 +287,12 @@ def write_final(config, trainer: Trainer, summary: dict) -> int:
                           f"{summary['samples_per_s']:.0f}; summary {where}", step=step,
                           test_accuracy=summary["test_accuracy"])
     return exit_codes.SAVE_FAILED if manager.unsaved else exit_codes.OK
+
+
+def whole_weights(model: torch.nn.Module) -> dict:
+    """The model's state_dict with every tensor whole: a sharded model's rows are gathered (on every rank)."""
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in model.state_dict().items()}
 
 
 def _first(e: BaseException) -> str:

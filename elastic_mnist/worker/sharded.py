@@ -24,9 +24,11 @@ from elastic_mnist.state.reshard import shard_rows
 from elastic_mnist.worker.step import PRECISIONS
 
 
-def mesh_of(group=None, device_type: str = "cpu") -> DeviceMesh:
-    """The round's ranks (the default group, or `group`) as FSDP2's one-dimensional mesh."""
-    return DeviceMesh.from_group(group or dist.group.WORLD, device_type)
+def mesh_of(group=None, device_type: str = "cpu", name: str = "shard") -> DeviceMesh:
+    """The round's ranks (the default group, or `group`) as FSDP2's one-dimensional mesh. `name`: a mesh of
+    the same ranks equals every earlier one of that name (whatever this rank was in it), and DTensor's caches
+    hand out the earlier one: each round names its own (compat.forget_meshes clears them too)."""
+    return DeviceMesh.from_group(group or dist.group.WORLD, device_type, mesh_dim_names=(name,))
 
 
 def precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -159,26 +161,6 @@ def from_whole(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer, 
                   "optimizer": {"per_parameter": per_parameter, "groups": groups}}
 
 
-def to_whole(whole: dict[str, torch.Tensor], rest: dict) -> dict:
-    """`from_whole`'s inverse: a sharded checkpoint read whole (sharded_files.load_whole of a DCP save of
-    `get_state_dict`: `model.<param>`, `optim.state.<param>.<key>`) with its rest (`split_state`'s) as a
-    replicated run's state, whose "model" and "optimizer" load into a model that is not sharded."""
-    groups = rest["optimizer"]["groups"]
-    order = [name for group in groups for name in group["params"]]
-    state = {}
-    for index, name in enumerate(order):
-        prefix = f"optim.state.{name}."
-        held = {k[len(prefix):]: v for k, v in whole.items() if k.startswith(prefix)}
-        held.update({k[len(name) + 1:]: v for k, v in rest["optimizer"]["per_parameter"].items()
-                     if k.rsplit(".", 1)[0] == name})
-        if held:
-            state[index] = held
-    model = {**rest["model"]["buffers"], **{k[len("model."):]: v for k, v in whole.items() if k.startswith("model.")}}
-    param_groups = [{**group, "params": [order.index(n) for n in group["params"]]} for group in groups]
-    others = {k: v for k, v in rest.items() if k not in SHARDED_OBJECTS}
-    return {**others, "model": model, "optimizer": {"state": state, "param_groups": param_groups}}
-
-
 class ShardedParallel:
     """parallel.DataParallel's counterpart for a model `fully_shard` wrapped (worker/step.py's replicas):
     FSDP2 reduce-scatters the gradient in backward, divided by the world size as DDP's all-reduce is, so
@@ -204,3 +186,62 @@ class ShardedParallel:
 
     def average_gradients(self) -> None:
         """Done in backward."""
+
+
+class ShardedState:
+    """A round's sharded learner as its checkpoint manager sees it: this rank's rows and the rest (split_state),
+    loaded from whatever the round agreed on (rows moved in memory, a sharded checkpoint, a replicated run's
+    state, or the task's freshly built model). `objects`: every registered object, "progress" included."""
+
+    def __init__(self, objects: dict, model: nn.Module, optimizer: torch.optim.Optimizer, initial) -> None:
+        self.objects, self.model, self.optimizer, self.initial = objects, model, optimizer, initial
+        mesh = next(model.parameters()).device_mesh
+        self.rank, self.world = mesh.get_local_rank(), mesh.size()
+
+    def split(self) -> tuple[dict, dict]:
+        return split_state(self.objects, self.model, self.optimizer)
+
+    def specs(self) -> dict[str, torch.Tensor]:
+        return specs_of(self.model, self.optimizer)
+
+    def load(self, rows: dict, rest: dict) -> None:
+        load_state(self.objects, self.model, self.optimizer, rows, rest)
+
+    def load_replicated(self, state: dict) -> None:
+        """A replicated run's state (a DDP checkpoint), this rank's rows of it."""
+        self.load(*from_whole(state, self.model, self.optimizer, self.world, self.rank))
+
+    def load_initial(self) -> None:
+        """A fresh run: the task's model as every rank builds it (seeded), this rank's rows of it."""
+        whole = self.initial().state_dict()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                a, b = shard_rows(p.shape[0], self.world, self.rank)
+                p.to_local().copy_(whole[name][a:b])
+            for name, value in _buffers(whole, self.model).items():
+                self.model.get_buffer(name).copy_(value)
+
+    def saved(self) -> dict:
+        """What a sharded checkpoint's DCP part holds, by the names `get_state_dict` flattens to."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            out[f"model.{name}"] = p
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, DTensor):
+                    out[f"optim.state.{name}.{key}"] = value
+        return out
+
+    def rows_for(self, listed: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """(empty rows for this rank of what a sharded checkpoint lists, the same rows as DTensors for DCP to
+        load into): `load` takes the rows once DCP filled them."""
+        params = dict(self.model.named_parameters())
+        rows, views = {}, {}
+        for saved_name in listed:
+            kind, _, rest = saved_name.partition(".")
+            name = rest if kind == "model" else rest.removeprefix("state.").rsplit(".", 1)[0]
+            p = params[name]
+            local = torch.empty_like(p.to_local(), dtype=listed[saved_name].dtype)
+            rows["model." + rest if kind == "model" else "optimizer." + rest.removeprefix("state.")] = local
+            views[saved_name] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+        return rows, views

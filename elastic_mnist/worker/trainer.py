@@ -62,7 +62,7 @@ class Trainer:
         instead of the process, and a stop leaves the state in memory instead of saving it."""
         self.config, self.env, self.rank, self.world_size = config, env, env.rank, env.world_size
         self.task, self.model, self.optimizer = learner.task, learner.model, learner.optimizer
-        self.replicas = DataParallel(self.model, env.world_size)
+        self.replicas = _replicas(config, self.model, env.world_size)
         self.math = StepMath(config, learner.task, self.replicas, self.optimizer, learner.scheduler, learner.scaler)
         self.inputs, self.plan, self.in_place = inputs, inputs.plan, in_place
         self.checkpoints, self.report, self.metrics, self.control = checkpoints, report, report.metrics, control
@@ -177,7 +177,7 @@ class Trainer:
         """Test loss/accuracy, each rank scoring its contiguous shard, summed over ranks."""
         self.model.eval()
         totals = torch.zeros(3, device=self.device, dtype=torch.float64)
-        for x, y in self.inputs.test_shard():
+        for x, y in self._test_batches():
             out = self.model(x)
             totals += torch.stack([self.task.loss(out, y).double(), self.task.correct(out, y).double(),
                                    torch.tensor(float(len(y)), device=self.device, dtype=torch.float64)])
@@ -193,6 +193,17 @@ class Trainer:
                            **result, train_time_s=self.progress.train_time_s)
         self.metrics.scalars(step, {"test/loss": result["test_loss"], "test/accuracy": result["test_accuracy"]})
         return result
+
+    def _test_batches(self):
+        """This rank's test batches; a sharded model's forward is collective (its units gather their rows), so
+        every rank runs as many: empty batches make up the difference."""
+        if isinstance(self.replicas, DataParallel) or self.world_size == 1:
+            return self.inputs.test_shard()
+        batches = list(self.inputs.test_shard())
+        most = torch.tensor([len(batches)], dtype=torch.int64, device=self.device)
+        distributed.wait(dist.all_reduce(most, op=dist.ReduceOp.MAX, async_op=True))
+        x, y = batches[0] if batches else (None, None)
+        return batches + [(x[:0], y[:0])] * (int(most[0]) - len(batches))
 
     # -- a lost peer -------------------------------------------------------------------------------
     def handle_failure(self, error: BaseException) -> Handled | None:
@@ -243,3 +254,12 @@ class Trainer:
             "torchrun_restart_count": self.env.restart_count, "stopped_early": self.stopped_early,
             "step_ms_median": self.throughput.median_step_ms(), **self.checkpoints.stats(),
         }
+
+
+def _replicas(config: TrainConfig, model: nn.Module, world_size: int):
+    """How the ranks share the gradient: DDP's average, or FSDP2's reduce-scatter into each rank's rows."""
+    if config.parallel == "fsdp":
+        from elastic_mnist.worker.sharded import ShardedParallel
+
+        return ShardedParallel(model, world_size)
+    return DataParallel(model, world_size)
