@@ -28,7 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import elastic, inplace, network, overhead, plots, report, scale, settings, soak, spot, targets, throughput
+from bench import (
+    elastic,
+    inplace,
+    network,
+    overhead,
+    plots,
+    report,
+    scale,
+    settings,
+    sharded,
+    soak,
+    spot,
+    targets,
+    throughput,
+)
 from bench.machine import describe, one_line
 from bench.runner import REPO, BenchError, Runner, log
 
@@ -59,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the soak: hundreds of membership changes, and whether anything grows (bench/soak.py)")
     p.add_argument("--scale-only", action="store_true",
                    help="only a kill, a preemption and a join at 2 to 8 nodes (~15 min; bench/scale.py)")
+    p.add_argument("--sharded-only", action="store_true",
+                   help="only sharded training under chaos: a 37M model's changes, a DCP restart, throughput (~10 min)")
     p.add_argument("--soak-changes", type=int, default=500, help="membership changes in the soak (default 500)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
     p.add_argument("--spot-tick", type=float, default=None,
@@ -152,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="elastic-mnist-bench-"))
     started = time.time()
-    if args.spot_only or args.network_only or args.in_place_only or args.soak or args.scale_only:
+    if args.spot_only or args.network_only or args.in_place_only or args.soak or args.scale_only or args.sharded_only:
         try:
+            if args.sharded_only:
+                return run_sharded(args, work)
             if args.soak:
                 return run_soak(args, work)
             if args.scale_only:
@@ -217,6 +235,17 @@ def run_scale(args, work: Path) -> int:
                   finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     if not scale.write(result, Path(args.out), DOCS if args.update_docs else None):
         log(f"{DOCS} has no {scale.START} ... {scale.END} markers: left unchanged")
+    return 0 if all("error" not in r for r in result["rows"]) else 1
+
+
+def run_sharded(args, work: Path) -> int:
+    """Sharded training under chaos; OUT/sharded.json, sharded.md (and docs with --update-docs)."""
+    started = time.time()
+    result = sharded.measure(Runner(work), os.path.abspath(args.data_dir))
+    result.update(provenance=provenance(), machine=describe(), wall_s=round(time.time() - started, 1),
+                  finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    if not sharded.write(result, Path(args.out), DOCS if args.update_docs else None):
+        log(f"{DOCS} has no {sharded.START} ... {sharded.END} markers: left unchanged")
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 

@@ -150,23 +150,63 @@ def reshard(shards: dict[str, dict[int, torch.Tensor]], specs: dict[str, torch.T
 
 
 def ring_copy(local: dict[str, torch.Tensor], specs: dict[str, torch.Tensor], world: int, rank: int,
-              group=None, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+              group=None) -> dict[str, torch.Tensor]:
     """Collective: send this rank's rows of every tensor to its ring successor; return its predecessor's (the
-    copy `buddy_of` names), so that one lost rank's rows stay in memory. `specs` as for `reshard`; `into`: an
-    earlier copy's tensors to receive into where their shapes fit (no new memory every step)."""
+    copy `buddy_of` names), so that one lost rank's rows stay in memory. `specs` as for `reshard`."""
     if world == 1:
         return {}
-    src, names = buddy_of(rank, world), sorted(local)
+    names = sorted(local)
     device = local[names[0]].device
-    received = {}
+    own_flat, own = flat_views([(n, local[n].shape, local[n].dtype) for n in names], device)
+    for n in names:
+        own[n].copy_(local[n])
+    copy_flat, copy = flat_views(copy_layout(specs, names, world, rank), device)
+    ring_send(own_flat, copy_flat, world, rank, group)
+    return copy
+
+
+def copy_layout(specs: dict[str, torch.Tensor], names: list[str], world: int, rank: int) -> list[tuple]:
+    """(name, shape, dtype) of the ring predecessor's rows of each tensor: what `ring_send` receives."""
+    out = []
     for name in names:
-        a, b = shard_rows(specs[name].shape[0], world, src)
-        shape, reuse = (b - a, *specs[name].shape[1:]), (into or {}).get(name)
-        fits = reuse is not None and reuse.shape == shape and reuse.dtype == specs[name].dtype
-        received[name] = reuse if fits else torch.empty(shape, dtype=specs[name].dtype, device=device)
-    _exchange({(rank + 1) % world: [local[n] for n in names]}, {src: [received[n] for n in names]}, world, device,
-              group)
-    return received
+        a, b = shard_rows(specs[name].shape[0], world, buddy_of(rank, world))
+        out.append((name, (b - a, *specs[name].shape[1:]), specs[name].dtype))
+    return out
+
+
+_ALIGN = 64  # bytes: every view of a flat buffer starts where any dtype may
+
+
+def flat_views(layout: list[tuple], device: torch.device, flat: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One byte buffer for tensors of `layout` ((name, shape, dtype) each), and a view of it for each: rows kept
+    and sent as one message, with no copy to gather them. `flat`: an earlier buffer of the same layout, reused."""
+    offsets, total = [], 0
+    for _, shape, dtype in layout:
+        total = -(-total // _ALIGN) * _ALIGN
+        offsets.append(total)
+        total += _numel(shape) * dtype.itemsize
+    if flat is None or flat.numel() != total:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+    views = {name: flat[o:o + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+             for (name, shape, dtype), o in zip(layout, offsets)}
+    return flat, views
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def ring_send(own: torch.Tensor, into: torch.Tensor, world: int, rank: int, group=None) -> None:
+    """Collective: this rank's flat buffer to its ring successor, its predecessor's into `into`, as one
+    all-to-all (gloo's point-to-point work cannot be waited on as `wait` waits on a lost peer)."""
+    out_sizes, in_sizes = [0] * world, [0] * world
+    out_sizes[(rank + 1) % world] += own.numel()
+    in_sizes[buddy_of(rank, world)] += into.numel()
+    wait(dist.all_to_all_single(into, own, in_sizes, out_sizes, group=group, async_op=True))
 
 
 def _exchange(sends: dict, recvs: dict, world: int, device: torch.device, group) -> int:

@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from elastic_mnist.compat import private as compat
 from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state import reshard as reshard_mod
 from elastic_mnist.state.registry import map_tensors
-from elastic_mnist.state.reshard import Change, Offer, buddy_of, from_memory, reshard, ring_copy
+from elastic_mnist.state.reshard import Change, Offer, buddy_of, from_memory, reshard
 from elastic_mnist.state.sync import TransferRefused, all_gather_bytes, broadcast_bytes
 
 
@@ -42,6 +43,10 @@ class Kept:
     """Every sharded tensor's whole shape and dtype, as meta tensors."""
     replicated: dict = field(default_factory=dict)
     """What every rank of the round holds alike: encoded with the checkpoint format when a peer needs it."""
+    flats: tuple = ()
+    """The byte buffers `rows` and `copy` are views of (the keeper reuses them for a later step)."""
+    layout: tuple = ()
+    """(rows', copy's) (name, shape, dtype)s: a later step of the same layout reuses the buffers."""
 
 
 class Keeper:
@@ -60,22 +65,24 @@ class Keeper:
         whole (they change when the optimizer's state first appears)."""
         spare = self.steps.pop() if len(self.steps) == 2 else None
         names = sorted(rows)
-        if spare is not None and _fits(spare.rows, rows):
-            compat.foreach_copy_([spare.rows[n] for n in names], [rows[n] for n in names])
-            own = spare.rows
-        else:
-            own = {n: rows[n].detach().clone() for n in names}
+        own_layout = [(n, rows[n].shape, rows[n].dtype) for n in names]
+        copy_layout = reshard_mod.copy_layout(specs, names, self.world, self.rank) if self.world > 1 else []
+        device = rows[names[0]].device
+        reuse = spare is not None and spare.layout == (own_layout, copy_layout)
+        own_flat, own = reshard_mod.flat_views(own_layout, device, spare.flats[0] if reuse else None)
+        compat.foreach_copy_([own[n] for n in names], [rows[n] for n in names])
         # Copies: the optimizer's step counts and the like change in place at the next step.
         replicated = map_tensors(replicated, lambda t: t.detach().clone())
         kept = Kept(Offer(self.lineage, step, self.rank, self.world), own, {}, specs, replicated)
+        kept.layout = (own_layout, copy_layout)
         self.steps.insert(0, kept)
-        kept.copy = ring_copy(own, specs, self.world, self.rank, self.group, spare.copy if spare else None)
-        kept.offer = replace(kept.offer, copy_step=step if self.world > 1 else -1)
-
-
-def _fits(buffers: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> bool:
-    return set(buffers) == set(rows) and all(
-        buffers[n].shape == t.shape and buffers[n].dtype == t.dtype for n, t in rows.items())
+        if self.world == 1:
+            kept.flats = (own_flat, None)
+            return
+        copy_flat, copy = reshard_mod.flat_views(copy_layout, device, spare.flats[1] if reuse else None)
+        kept.flats = (own_flat, copy_flat)
+        reshard_mod.ring_send(own_flat, copy_flat, self.world, self.rank, self.group)
+        kept.copy, kept.offer = copy, replace(kept.offer, copy_step=step)
 
 
 @dataclass

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 from conftest import REPO, worker_env
-from e2e.test_chaos import assert_replays_plan
 
+from e2e.test_chaos import assert_replays_plan
 from elastic_mnist.runlog import read_records
 
 pytestmark = pytest.mark.e2e
