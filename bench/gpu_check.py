@@ -11,6 +11,7 @@ What it runs (a real torchrun with --standalone, unless it says in-process):
 - in-process (bench/gpu_single.py): a resume that restores the CUDA RNG as saved; the abort path (the
   watch thread aborts the data group while the main thread is blocked in a collective, then saves the
   last agreed step); peak GPU memory with and without the failure-state copy;
+- sharded (--parallel fsdp): fully_shard at world 1, a resume from its sharded (DCP) checkpoint, throughput
 - peer loss (two or more GPUs; on --dry-run two CPU ranks): two ranks, rank 1 kills itself inside the
   gradient all-reduce (ELASTIC_MNIST_FAULT); reported: the survivor's detection time, the path that saved
   the state (the main thread after an error, or the peer watch), the steps redone, and completion;
@@ -91,6 +92,21 @@ def check_precision(work: Path, check: Check) -> dict:
     return {"ok": all(v["ok"] for v in out.values()), **out}
 
 
+def check_sharded(work: Path, check: Check) -> dict:
+    """--parallel fsdp on one device: fully_shard at world 1, trained to PRECISION_STOP and saved through DCP,
+    resumed from that sharded checkpoint to twice as far; its throughput."""
+    extra = ("--parallel=fsdp", "--checkpoint-every=0")
+    first = _train(work, "sharded-a", check, 1, PRECISION_STOP, extra=extra)
+    second = _train(work, "sharded-b", check, 1, 2 * PRECISION_STOP, extra=extra)
+    resumed = re.search(r"\[resume\] step (\d+)", second["log"])
+    shards = sorted(p.name for p in (work / "ckpt").glob("ckpt-*.shards"))
+    return {"ok": first["rc"] == second["rc"] == 0 and resumed is not None and int(resumed.group(1)) == PRECISION_STOP
+            and bool(shards) and second["summary"].get("global_step") == 2 * PRECISION_STOP,
+            "resumed_at": resumed and int(resumed.group(1)), "shards": shards,
+            "samples_per_s": second["summary"].get("samples_per_s"),
+            "test_accuracy": second["summary"].get("test_accuracy")}
+
+
 def check_in_process(work: Path, check: Check) -> dict:
     from bench import gpu_single  # builds trainers in this process: imported only when it runs
 
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         check.gpus = torch.cuda.device_count()
     result = {"machine": machine.describe(), "dry_run": args.dry_run, "backend": check.backend, "gpus": check.gpus}
     for name, fn in (("train_and_resume", check_train_and_resume), ("precision", check_precision),
-                     ("throughput", check_throughput), ("in_process", check_in_process),
+                     ("sharded", check_sharded), ("throughput", check_throughput), ("in_process", check_in_process),
                      ("peer_loss", check_peer_loss), ("resizes", check_resizes)):
         log(f"gpu check: {name} ...")
         result[name] = fn(check.runner.new_dir(name), check)

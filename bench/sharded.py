@@ -13,12 +13,13 @@ are what each rank sent in the reshard (its resume record). Writes OUT/sharded.j
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from bench import elastic, report
 from bench.fmt import sec
 from bench.machine import one_line
-from bench.runner import BenchError, Runner, log, ratio
+from bench.runner import BenchError, Runner, log, median, ratio
 from bench.settings import Settings
 from elastic_mnist.runlog import read_records
 
@@ -41,13 +42,13 @@ def measure(runner: Runner, data_dir: str) -> dict:
     for name, model, nodes, max_nodes, chaos, extra in CASES:
         at = 6 if model else 60
         train = ["--parallel", "fsdp", *model, "--max-steps", "100000", "--collective-timeout", "30",
-                 "--end-after-chaos", *(() if model else ("--min-step-time", "0.05")), *extra]
+                 "--log-every", "2", "--end-after-chaos", *(() if model else ("--min-step-time", "0.05")), *extra]
         if "--checkpoint-every" not in extra:
             train += ["--checkpoint-every", "1000"]
         log(f"sharded: {name} ...")
         try:
-            run = elastic.run_local(runner, s, "sharded-" + name.replace(" ", "-").replace(",", ""), nodes,
-                                    max_nodes, chaos.format(at=at), train)
+            slug = "sharded-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in name)
+            run = elastic.run_local(runner, s, slug, nodes, max_nodes, chaos.format(at=at), train)
         except BenchError as e:
             rows.append({"case": name, "error": str(e)[-2000:]})
             continue
@@ -60,11 +61,13 @@ def _row(name: str, run: dict) -> dict:
     kind = name.split()[-2] if name.startswith("MLP") else name.split()[0]
     kind = {"preemption": "term"}.get(kind, kind)
     event = next((e for e in run["report"]["events"] if e["kind"] == kind), {})
-    run_dir = Path(run["command"].split("--run-dir ")[1].split()[0])
-    resumes = [r for r in read_records(str(run_dir / "tensorboard" / "events"))
-               if r.get("event") == "resume" and r.get("time", 0) >= event.get("time", 0)]
+    argv = shlex.split(run["command"])
+    run_dir = Path(argv[argv.index("--run-dir") + 1])
+    records = read_records(str(run_dir / "tensorboard" / "events"))
+    resumes = [r for r in records if r.get("event") == "resume" and r.get("time", 0) >= event.get("time", 0)]
+    rates = [r["samples_per_s"] for r in records if r.get("event") == "progress" and r.get("samples_per_s")]
     return {"case": name, "stall_s": event.get("stall_s"), "steps_redone": event.get("steps_redone"),
-            "breakdown": event.get("breakdown"), "step_ms": run["report"]["summary"].get("step_ms_median"),
+            "breakdown": event.get("breakdown"), "step_ms": 1000 * 128 / median(rates) if rates else None,
             "sent_bytes": sorted(r.get("sent_bytes", 0) for r in resumes if "sent_bytes" in r),
             "sources": sorted({str(r.get("source")) for r in resumes}), "command": run["command"]}
 

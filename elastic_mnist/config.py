@@ -186,6 +186,11 @@ class TrainConfig:
         """The fields a checkpoint must agree on; paths, logging and timeouts are free to change."""
         return {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
 
+    def job_fingerprint(self) -> dict:
+        """The fields every node of a running job must share: a checkpoint's, and how the ranks hold the model
+        (DDP and sharded checkpoints are one state; one round's ranks must run the same collectives)."""
+        return {**self.fingerprint(), **{name: getattr(self, name) for name in JOB_FIELDS}}
+
     def to_argv(self) -> list[str]:
         """Flags that rebuild this config through parse_args (the inverse of build_parser): each field
         that differs from its default as --flag=value (booleans as --flag / --no-flag). `=` keeps a
@@ -231,7 +236,8 @@ def flag_name(field_name: str) -> str:
 FINGERPRINT_FIELDS = ("global_batch_size", "hidden", "hidden_layers", "seed", "lr", "lr_schedule")
 # Fingerprint fields added after jobs and checkpoints were made, with the value those were made with: a
 # checkpoint's fingerprint, or a running job's, that lacks one agrees with a node that has it at that value.
-FINGERPRINT_BEFORE = {"hidden_layers": 1}
+FINGERPRINT_BEFORE = {"hidden_layers": 1, "parallel": "ddp"}
+JOB_FIELDS = ("parallel",)
 
 
 def with_former_fields(fingerprint: dict) -> dict:

@@ -19,6 +19,8 @@ def test_gpu_check_dry_run_trains_resumes_measures_and_survives_a_peer_loss(smal
     assert result["train_and_resume"]["resumed_at"] == 200 and result["train_and_resume"]["final_step"] == 400
     assert result["throughput"]["ours_vs_bare"] > 0
     assert result["precision"]["ok"] and result["precision"]["fp16"]["resumed_at"] == 25
+    sharded = result["sharded"]  # --parallel fsdp at world 1, resumed from its own DCP checkpoint
+    assert sharded["ok"] and sharded["resumed_at"] == 25 and sharded["shards"] and sharded["samples_per_s"] > 0
     assert result["in_process"]["ok"] and result["in_process"]["resume_and_abort"]["saved_step"] == 22
     loss = result["peer_loss"]
     assert loss["completed"] and loss["steps_redone"] <= 1 and loss["detection_s"] < 5 and loss["saved_by"]

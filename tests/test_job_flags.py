@@ -33,7 +33,12 @@ def test_the_differing_flags_are_named_with_both_values():
 
 
 def test_the_fingerprint_is_the_workers_resolved_flags_for_this_packages_worker_only():
-    assert job_flags.of_plan(_plan("--hidden=64")) == parse_args(["--hidden", "64"]).fingerprint()
+    resolved = parse_args(["--hidden", "64"]).fingerprint()
+    assert job_flags.of_plan(_plan("--hidden=64")) == {**resolved, "parallel": "ddp"}
+    sharded = job_flags.of_plan(_plan("--parallel=fsdp"))
+    assert job_flags.differing(sharded, job_flags.of_plan(_plan())) == ["--parallel fsdp (the job: ddp)"]
+    job_before = parse_args([]).fingerprint()  # a job started by a version without the flag trains replicated
+    assert job_flags.differing(sharded, job_before) == ["--parallel fsdp (the job: ddp)"]
     assert job_flags.of_plan(_plan("--hidden=64", module="my_trainer")) is None, "not ours: not checked here"
     assert job_flags.of_plan(_plan("--hidden=-1")) is None, "refused flags: the flag check says so itself"
     assert job_flags.of_plan(None) is None

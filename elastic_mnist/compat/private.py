@@ -282,14 +282,17 @@ def forget_meshes() -> None:
     whatever this process's rank in it was: a later round of sharded training would be handed the earlier
     round's mesh (its offsets, its process groups). A round's meshes go when its groups do. Checked when
     called: the module is imported only by sharded training (its import is a cost other workers skip)."""
-    tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is None:
-        return
-    what = "DTensor's sharding propagation caches"
-    dispatcher = require(require(tensor, "DTensor", what), "_op_dispatcher", what)
-    prop = require(dispatcher, "sharding_propagator", what)
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        require(require(prop, name, what), "cache_clear", what)()
+    if "torch.distributed.tensor" in sys.modules:
+        for clear in _sharding_caches():
+            clear()
+
+
+@functools.cache
+def _sharding_caches() -> tuple:
+    tensor, what = sys.modules["torch.distributed.tensor"], "DTensor's sharding propagation caches"
+    prop = require(require(require(tensor, "DTensor", what), "_op_dispatcher", what), "sharding_propagator", what)
+    return tuple(require(require(prop, name, what), "cache_clear", what)
+                 for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"))
 
 
 # -- the C++ Store trampoline (rendezvous/store.py) ------------------------------------------------------------

@@ -6,7 +6,8 @@ refused before it joins, with one line naming the flags that differ, and exit 78
 
 Two nodes with a different --lr, --seed or --hidden formed one round and trained silently on mixed plans. The
 flags that matter are the fingerprint every checkpoint holds (config.FINGERPRINT_FIELDS: what makes two states
-incompatible). Before its agent joins, each node compares its own, resolved from its worker's command line, with
+incompatible) and --parallel (config.JOB_FIELDS: one round's ranks must run the same collectives). Before its
+agent joins, each node compares its own, resolved from its worker's command line, with
 the job's: the first node's, written once under FINGERPRINT_KEY in the job's store (an atomic compare-and-set:
 of nodes that start together, exactly one defines it). Nothing has joined yet, so the refused node changes no
 round and closes nothing; it ends alone (a configuration error of its own command). A rendezvous id keeps its
@@ -38,7 +39,7 @@ def of_plan(plan: WorkerPlan | None) -> dict | None:
     if plan is None or plan.target.get("module") != TRAIN_MODULE:
         return None
     try:
-        return parse_args(plan.args).fingerprint()
+        return parse_args(plan.args).job_fingerprint()
     except UserError:
         return None
 

@@ -32,7 +32,7 @@ from elastic_mnist.state.writer import CheckpointWriter, refuse_foreign
 # The objects whose tensors make up most of a snapshot (its size estimate before the first one).
 _ON_DEVICE = ("model", "optimizer")
 # A temp file in the checkpoint dir younger than this may be another writer's save in progress.
-_LIVE_TEMP_S = 600.0
+LIVE_TEMP_S = 600.0
 
 
 def check_checkpoint_dir(config: TrainConfig) -> None:
@@ -171,7 +171,7 @@ class CheckpointManager:
 
     def _sweep_snapshots(self) -> None:
         if self.writes:  # temp files of writers killed mid-write (the age leaves a live writer's alone)
-            snapshots.sweep_temps(self.config.checkpoint_dir, min_age_s=_LIVE_TEMP_S)
+            snapshots.sweep_temps(self.config.checkpoint_dir, min_age_s=LIVE_TEMP_S)
         if not self.snapshots.readable:
             return
         removed = snapshots.sweep(snapshots.root_of(self.config.snapshot_dir), self.snapshot.run_root,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,8 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from elastic_mnist import files
-from elastic_mnist.distributed import wait
 from elastic_mnist.state import format as checkpoint
+from elastic_mnist.state.sync import broadcast_bytes
 
 SHARDS_KEY = checkpoint.SHARDS_KEY
 
@@ -38,22 +39,18 @@ def save(directory: str, step: int, sharded: dict, state: dict, key: bytes | Non
     True on every rank when this call published the step; False when it existed already (left as it was);
     OSError on every rank when the volume could not take it (DCP raises its write errors on every rank too)."""
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".ckpt-{step:09d}.shards.tmp-{_shared_token(group)}")
+    tmp = os.path.join(directory, f"{TEMP_PREFIX}{step:09d}.shards.tmp-{_shared_token(group)}")
     dcp.save(sharded, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    published, problem = torch.zeros(1, dtype=torch.int64), ""
+    outcome = b""
     if dist.get_rank(group) == 0:
         try:
-            published[0] = int(_publish(directory, step, tmp, state, key))
+            outcome = b"1" if _publish(directory, step, tmp, state, key) else b"0"
         except OSError as e:  # a full or read-only volume: every rank must learn it, none waits for the publish
-            published[0], problem = _FAILED, str(e)
-    wait(dist.broadcast(published, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group,
-                        async_op=True))
-    if published[0] == _FAILED:
-        raise OSError(problem or f"the checkpoint of step {step} could not be published in {directory}")
-    return bool(published[0])
-
-
-_FAILED = 2
+            outcome = b"!" + str(e).encode()[:500]
+    outcome = broadcast_bytes(outcome, 0, group)
+    if outcome.startswith(b"!"):
+        raise OSError(outcome[1:].decode(errors="replace"))
+    return outcome == b"1"
 
 
 def _publish(directory: str, step: int, tmp: str, state: dict, key: bytes | None) -> bool:
@@ -72,10 +69,29 @@ def _publish(directory: str, step: int, tmp: str, state: dict, key: bytes | None
 
 
 def _shared_token(group) -> str:
-    """Rank 0's random token, so every rank writes into the same temp directory."""
-    token = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    wait(dist.broadcast(token, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group, async_op=True))
-    return f"{int(token[0]):016x}"
+    """Rank 0's random token, so every rank writes into the same temp directory (from the OS: drawing from
+    torch's RNG would change what training draws after a save)."""
+    return broadcast_bytes(os.urandom(8).hex().encode() if dist.get_rank(group) == 0 else b"", 0, group).decode()
+
+
+TEMP_PREFIX = ".ckpt-"
+"""How the temp directory of a save in progress begins (`.ckpt-STEP.shards.tmp-TOKEN`)."""
+
+
+def sweep_temps(directory: str, min_age_s: float) -> None:
+    """The temp directories of saves whose writers were killed (older than `min_age_s`: not a live save's)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(TEMP_PREFIX) and ".shards.tmp-" in n]
+    except OSError:
+        return
+    for name in names:
+        where = os.path.join(directory, name)
+        try:
+            old = time.time() - os.stat(where).st_mtime >= min_age_s
+        except OSError:
+            continue
+        if old and os.path.isdir(where) and not os.path.islink(where):
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def verified_dir(directory: str, state: dict) -> str:

@@ -22,7 +22,7 @@ import time
 from elastic_mnist.state import fence, sharded_files
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sync as state_sync
-from elastic_mnist.state.manager import CheckpointManager, Held
+from elastic_mnist.state.manager import LIVE_TEMP_S, CheckpointManager, Held
 from elastic_mnist.state.registry import OBJECTS_KEY, Progress, Stateful
 from elastic_mnist.state.sharded_sync import Keeper, agree_sharded
 from elastic_mnist.state.writer import prune
@@ -36,38 +36,50 @@ class ShardedCheckpoints(CheckpointManager):
         self.shards = shards
         self.keeper: Keeper | None = None
         self._saved_step = -1
+        self._phases: dict[str, float] = {}  # the restore's parts, in the resume record
 
     # -- restore ----------------------------------------------------------------------------------
     def restore(self, objects: dict[str, Stateful], progress: Progress, steps_per_epoch: int,
                 memory: Held | None = None) -> None:
-        """Collective, as the replicated manager's; then this rank keeps its rows of the loaded step."""
+        """Collective, as the replicated manager's."""
         self.objects, self.progress, self.steps_per_epoch = objects, progress, steps_per_epoch
         self._sweep_snapshots()
-        device = next(self.shards.model.parameters()).device
+        if self.writes:
+            sharded_files.sweep_temps(self.config.checkpoint_dir, LIVE_TEMP_S)
+        device, started = next(self.shards.model.parameters()).device, time.perf_counter()
         moved = agree_sharded(list(memory.kept) if memory else [], self.env.rank, self.env.world_size, device,
                               self.key)
+        self._phases = {"reshard_s": time.perf_counter() - started}
         # Every rank now holds the moved state alike: the agreement over files reads only newer ones.
         agreed = Held(moved.step, moved.lineage, {}, self.env.world_size) if moved else None
         state, source, self.lineage = self._agree_on_state(agreed)
         if self.writes:
             self._token = self.writer.if_room(lambda: fence.claim_generation(self.config.checkpoint_dir,
                                                                        self.env.world_size, self.lineage)) or ""
+        self._phases["files_s"] = time.perf_counter() - started - self._phases["reshard_s"]
         self._load(moved, state, source)
         self.keeper = Keeper(self.lineage, self.env.rank, self.env.world_size)
-        self.confirm_step()  # a peer lost before the first step leaves its rows of this one in memory
+        # What this rank kept of the last round stays until this round keeps its own two steps: a peer lost
+        # before then leaves the state this round started from in memory, as it was, at no cost to the change.
+        self.keeper.steps = [k for k in (memory.kept if memory and source == state_sync.MEMORY else ())
+                             if (k.offer.lineage, k.offer.step) == (moved.lineage, moved.step)]
 
     def _load(self, moved, state: dict | None, source: str) -> None:
         progress, env = self.progress, self.env
         if source == state_sync.MEMORY:
+            loading = time.perf_counter()
             self.shards.load(moved.rows, moved.replicated)
+            self._phases["load_s"] = time.perf_counter() - loading
             progress.step = moved.step
             progress.resumes += 1
             self.metrics.event("resume", f"[resume] step {progress.step} in place (sharded, moved in memory: "
                                f"{moved.sent} bytes sent by this rank); now world size {env.world_size}, torchrun "
                                f"restart {env.restart_count}", step=progress.step, source=source, in_place=True,
-                               sent_bytes=moved.sent)
+                               sent_bytes=moved.sent, **{k: round(v, 3) for k, v in self._phases.items()})
             return
-        if state is None:
+        if state is None:  # nothing anywhere: the run starts over, its progress too
+            progress.load_state_dict(Progress().state_dict())
+            progress.step = 0
             self.shards.load_initial()
             self.metrics.event("start", f"[start] fresh sharded run at world size {env.world_size} (no checkpoint "
                                f"in {self.config.checkpoint_dir})", world_size=env.world_size)

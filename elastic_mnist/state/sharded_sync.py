@@ -5,13 +5,13 @@ memory, and move it to the new world size (state/reshard.py), each rank receivin
 
 What a rank holds between rounds is a `Keeper`'s last two steps, each a `Kept`: its own rows of every sharded
 tensor, the copy of its ring predecessor's rows, and the replicated rest (the optimizer's step, the scheduler,
-the progress: a dict every rank of the round holds alike). Two, because a rank lost inside the ring copy of
+the RNG, the progress). Two, because a rank lost inside the ring copy of
 step S leaves the survivors with rows of S but not every copy of S, while S-1 is whole. The ranks all-gather
 what they hold (`reshard.Offer`s); `from_memory` picks the newest state whose every old shard some rank holds.
-When some rank lacks it (a joiner, a rank of another lineage), the lowest rank holding it broadcasts the
-replicated rest and the tensors' shapes as the checkpoint format's verified bytes, never pickles, and the
-ranks that lack them read them; then one all-to-all moves the rows. None: no such state (two ring neighbours
-lost at once, or nothing in memory), and the state comes from storage.
+The lowest rank holding it broadcasts the replicated rest and the tensors' shapes as the checkpoint format's
+verified bytes, never pickles, and every other rank reads them (the rest is then what a checkpoint of the
+step would hold: a rank's RNG may have drawn apart from the others'); then one all-to-all moves the rows.
+None: no such state (two ring neighbours lost at once, or nothing in memory), and it comes from storage.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Keeper:
         where they fit) and of `replicated`, then send the rows to the ring successor. A peer lost inside that
         raises, leaving `step` held without its copy and the step before it whole. `specs`: `rows`' tensors
         whole (they change when the optimizer's state first appears)."""
-        spare = self.steps.pop() if len(self.steps) == 2 else None
+        spare = self.steps.pop() if len(self.steps) >= 2 else None
         names = sorted(rows)
         own_layout = [(n, rows[n].shape, rows[n].dtype) for n in names]
         copy_layout = reshard_mod.copy_layout(specs, names, self.world, self.rank) if self.world > 1 else []
@@ -115,7 +115,7 @@ def agree_sharded(held: list[Kept], rank: int, world: int, device: torch.device,
     mine = next((k for k in held if (k.offer.lineage, k.offer.step) == (state.lineage, state.step)), None)
     # Copies: what the round's objects load must not be what this rank keeps (a task's state may update in place).
     specs, replicated = (mine.specs, map_tensors(mine.replicated, torch.clone)) if holds else ({}, {})
-    if len(same) < world:
+    if world > 1:  # the owner's rest, on every rank: its ranks' RNGs drew apart (dropout on unequal shares)
         specs, replicated = _from_owner(state, specs, replicated, owner, holds, key, group)
     shards = _shards(mine, state.step) if holds else {}
     rows, sent = reshard(shards, specs, Change(state.old_world, world, rank, held_by), device, group)
@@ -139,13 +139,15 @@ def _all_offers(held: list[Kept], group) -> list[tuple[Offer, ...]]:
 
 def _from_owner(state: Offer, specs: dict, replicated: dict, owner: int, holds: bool, key: bytes | None,
                 group) -> tuple[dict, dict]:
-    """The owner's shapes and replicated rest, broadcast to the round, read by the ranks that lack them. Every
-    rank then learns whether all of them could, so none is left waiting in the reshard."""
-    mine = b""
-    if holds and dist.get_rank(group) == owner:
+    """The owner's shapes and replicated rest, broadcast to the round and read by every other rank: the rest
+    is what a checkpoint of the step would hold (its RNG is the owner's), so a state moved in memory resumes as
+    one read from storage does. Every rank then learns whether all of them could read it, so none is left
+    waiting in the reshard."""
+    mine, is_owner = b"", holds and dist.get_rank(group) == owner
+    if is_owner:
         mine = checkpoint.encode({"step": state.step, "specs": _spec_rows(specs), "replicated": replicated}, key)
     blob, problem = broadcast_bytes(mine, owner, group), ""
-    if not holds:
+    if not is_owner:
         try:
             sent = checkpoint.decode(blob, f"the sharded state from rank {owner}", key)
             if sent["step"] != state.step:

@@ -123,6 +123,7 @@ def _sharded_round(proc: Process):
     if not dist.is_initialized():
         raise UserError("--parallel fsdp runs under torchrun (for one process: torchrun --nproc-per-node 1 ...)")
     config, progress = proc.config, proc.learner.progress if proc.learner else Progress()
+    proc.learner, proc.objects = None, {}  # the last round's rows go before this round's are made
     mesh = sharded.mesh_of(None, proc.device.type, f"round{proc.rounds}")
     proc.learner = sharded_learner(proc.task, config, mesh, proc.device, proc.plan.steps_per_epoch)
     proc.learner.progress = progress

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from elastic_mnist import agent_link
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.distributed import RoundAbandoned
+from elastic_mnist.runlog import say
 
 # What a failure save may take beyond --collective-timeout before the watchdog gives up on it: the same
 # allowance an orphaned worker gets (stop.StopRequest). A healthy save of the last step takes well
@@ -175,9 +176,8 @@ class FailureHandoff:
         if not self._saved.is_set():
             # stderr only: the journal's file may be on the filesystem the save hangs in
             with suppress(Exception):
-                print(f"the failure save did not finish within {self.bounds.end_s:.0f}s; exiting "
-                      f"{exit_codes.SAVE_FAILED} for torchrun to restart from the newest earlier state",
-                      file=sys.stderr, flush=True)
+                say(f"the failure save did not finish within {self.bounds.end_s:.0f}s; exiting "
+                    f"{exit_codes.SAVE_FAILED} for torchrun to restart from the newest earlier state")
         self._end(exit_codes.RESTART if self._saved.is_set() else exit_codes.SAVE_FAILED)
 
     def _end(self, code: int) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import io
-import sys
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from elastic_mnist.compat import private as compat
 from elastic_mnist.contract import exit_codes, kept
 from elastic_mnist.contract.errors import NodeLocalError, PeerNodeLocalError
 from elastic_mnist.metrics import process_age_s
-from elastic_mnist.runlog import RunLog
+from elastic_mnist.runlog import RunLog, say
 from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state.manager import CheckpointManager
 from elastic_mnist.state.registry import cpu_snapshot
@@ -143,10 +142,12 @@ class Life:
             config.check_world_size(env.world_size)
             control = ControlPlane(env.world_size, config, self.stop, env.peer_beacons)
             stack.callback(control.leave)
+            if config.parallel == "fsdp":
+                self.last = None  # the last round's learner goes before this one's is built (a rank's rows)
             try:
                 trainer = build_round(self.proc, env, control, stack, in_place=self.session is not None)
             except PeerNodeLocalError as e:  # nothing was loaded: the next round forms without that node
-                print(f"elastic-mnist train: {e}", file=sys.stderr, flush=True)
+                say(f"elastic-mnist train: {e}")
                 return Ending(exit_codes.RESTART, goes_on=self.session is not None)
             self.last = trainer.checkpoints
             return self._train(trainer)
@@ -155,8 +156,8 @@ class Life:
         """The round's group did not form. A process that only mustered is as it was: it serves the next round
         (journaled "round_not_formed"); what torch kept of a group that failed inside its own connect is
         unknown: a fresh process (a fallback)."""
-        print(f"elastic-mnist train: {why}; {'this worker waits for' if goes_on else 'exiting for'} torchrun to "
-              "form a new round", file=sys.stderr, flush=True)
+        say(f"elastic-mnist train: {why}; {'this worker waits for' if goes_on else 'exiting for'} torchrun to "
+            "form a new round")
         if self.session is not None:
             self._journal("round_not_formed" if clean else "fallback", reason=f"group formation: {why[:200]}",
                           **({"kept": goes_on} if clean else {"saved": ""}))
@@ -214,8 +215,8 @@ class Life:
     def _fall_back(self, problem: str, code: int) -> int:
         where = self._save_held()
         self._journal("fallback", reason=problem, saved=where)
-        print(f"elastic-mnist train: in-place round end failed ({problem}); state saved ({where}); this worker "
-              "exits and its next round starts a fresh one", file=sys.stderr, flush=True)
+        say(f"elastic-mnist train: in-place round end failed ({problem}); state saved ({where}); this worker "
+            "exits and its next round starts a fresh one")
         self.session.detach(code)
         return code
 
@@ -229,8 +230,7 @@ class Life:
         if what is kept.Wake.REFUSE:
             self._journal("fallback", reason=reason, saved=where)
             self.session.refuse(why)
-        print(f"elastic-mnist train: leaving ({reason}); {'state saved (' + where + ')' if where else 'nothing held'}",
-              file=sys.stderr, flush=True)
+        say(f"elastic-mnist train: leaving ({reason}); {'state saved (' + where + ')' if where else 'nothing held'}")
         return exit_codes.OK
 
     def _save_held(self) -> str:

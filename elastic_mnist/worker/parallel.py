@@ -23,6 +23,9 @@ from elastic_mnist.distributed import wait
 class DataParallel:
     """Forward through `module`; call `average_gradients()` after backward (a no-op where DDP did it)."""
 
+    collective_forward = False
+    """Whether every rank must run each forward (a sharded model's gathers its parameters)."""
+
     def __init__(self, model: nn.Module, world_size: int) -> None:
         self.world_size = world_size
         self.uses_ddp = world_size > 1 and any(True for _ in model.buffers())

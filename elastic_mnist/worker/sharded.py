@@ -167,6 +167,7 @@ class ShardedParallel:
     every rank's .grad holds its rows of the gradient averaged over the ranks once backward returns."""
 
     uses_ddp = False
+    collective_forward = True
 
     def __init__(self, model: nn.Module, world_size: int) -> None:
         self.module, self.world_size = model, world_size

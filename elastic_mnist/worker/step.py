@@ -53,9 +53,10 @@ class StepMath:
         if self.micro == 1:
             total = self._micro_step(x, y)
         else:
-            # A share smaller than --grad-accum leaves some chunks empty: they add nothing.
+            # A share smaller than --grad-accum leaves some chunks empty: they add nothing (and are skipped, but
+            # where each forward is a collective, as a sharded model's is: every rank runs as many).
             chunks = [(cx, cy) for cx, cy in zip(torch.tensor_split(x, self.micro), torch.tensor_split(y, self.micro))
-                      if len(cy)]
+                      if len(cy) or self.replicas.collective_forward]
             total = sum(self._micro_step(cx, cy, last=i == len(chunks) - 1) for i, (cx, cy) in enumerate(chunks))
         self.replicas.average_gradients()
         return total

@@ -15,7 +15,6 @@ the group could not agree on a stop in time.
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from typing import NoReturn
 
@@ -27,6 +26,7 @@ from elastic_mnist.contract import exit_codes
 from elastic_mnist.contract.env import started_at
 from elastic_mnist.contract.errors import NodeLocalError, UserError
 from elastic_mnist.metrics import process_age_s
+from elastic_mnist.runlog import say
 from elastic_mnist.worker import life
 from elastic_mnist.worker import stop as stop_signals
 from elastic_mnist.worker.build import build_trainer
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None, task: Task | None = None) -> int:
     except UserError as e:
         # A configuration error: no restart can help. Under an etcd-v3 agent it ends the whole job, once
         # (agent_link.py); elsewhere torchrun's retries meet the same line.
-        print(f"elastic-mnist train: error: {e}", file=sys.stderr, flush=True)
+        say(f"elastic-mnist train: error: {e}")
         agent_link.report_config_error(str(e))
         return exit_codes.PERMANENT
     except Exception as e:
@@ -71,7 +71,7 @@ def _node_local(line: str) -> int:
     """This node's own problem (its checkpoint dir, its GPU): another node may train on. Under an etcd-v3 agent it
     ends this node only: the agent leaves the job's rendezvous and exits 69 (agent_link.py), the pod's index fails
     and the start watchdog marks the node (docs/kubernetes.md, "A bad node")."""
-    print(f"elastic-mnist train: error: {line}", file=sys.stderr, flush=True)
+    say(f"elastic-mnist train: error: {line}")
     agent_link.report_node_local(line)
     return exit_codes.NODE_LOCAL
 

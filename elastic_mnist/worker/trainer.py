@@ -182,6 +182,8 @@ class Trainer:
             totals += torch.stack([self.task.loss(out, y).double(), self.task.correct(out, y).double(),
                                    torch.tensor(float(len(y)), device=self.device, dtype=torch.float64)])
         self.model.train()
+        if hasattr(self.model, "reshard"):  # a sharded root unit keeps what its forward gathered (no backward)
+            self.model.reshard()
         if self.world_size > 1:
             distributed.wait(dist.all_reduce(totals, async_op=True))
         loss_sum, correct, count = totals.tolist()

@@ -13,13 +13,15 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, worker_env
+from conftest import REPO, run_torchrun, worker_env
+from test_precision import assert_same_state
 
-from e2e.test_chaos import assert_replays_plan
+from e2e.test_chaos import BATCH, assert_replays_plan, run_local
 from elastic_mnist.runlog import read_records
+from elastic_mnist.state import sharded_files
+from elastic_mnist.state.format import load_latest
 
 pytestmark = pytest.mark.e2e
-BATCH = 64  # the small data set's plan (2000 samples), as assert_replays_plan takes it
 STEPS = 240
 
 
@@ -58,3 +60,37 @@ def test_a_sharded_run_through_kill_join_and_preemption_reshards_in_memory_and_e
     assert max(abs(fsdp[s] - ddp[s]) for s in ddp) < 2e-3, (ddp, fsdp)
     assert abs(chaos["summary"]["test_accuracy"] - clean["summary"]["test_accuracy"]) <= 0.004
     assert chaos["summary"]["test_accuracy"] > 0.85
+
+
+TASK = str(REPO / "tests" / "sharded_task.py")
+TASK_FLAGS = ("--script", TASK, "--parallel", "fsdp", "--precision", "bf16", "--grad-accum", "2")
+TASK_STEPS = 60
+
+
+def test_a_users_own_task_killed_ends_bit_for_bit_where_a_fault_free_run_at_the_same_sizes_does(small_mnist,
+                                                                                                 tmp_path):
+    """Dropout, AdamW, a step schedule and a counter of its own, bf16, accumulation: killed at world 3 and
+    resharded in memory to 2, against a run without a fault that trains at 3 up to the same step, then resumes
+    from its DCP checkpoint at 2."""
+    chaos = tmp_path / "chaos"
+    report = run_local(small_mnist, chaos, "kill:n2@step=20", *TASK_FLAGS, steps=TASK_STEPS, nodes=3)
+    (event,) = report["events"]
+    assert (event["kind"], event["world_size_before"], event["world_size_after"]) == ("kill", 3, 2)
+    assert_replays_plan(chaos, TASK_STEPS)
+    resumed_at = min(r["step"] for r in read_records(str(chaos / "samples")) if r["world_size"] == 2)
+    common = ["--data-dir", small_mnist, "--checkpoint-dir", str(tmp_path / "ref"), "--log-dir", str(tmp_path / "runs"),
+              "--global-batch-size", str(BATCH), "--checkpoint-every", "0", *TASK_FLAGS[2:]]
+    for nproc, steps in ((3, resumed_at), (2, TASK_STEPS)):
+        run = run_torchrun(["--standalone", f"--nproc-per-node={nproc}"], [*common, "--max-steps", str(steps)],
+                           script=TASK)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got, want = _final(chaos / "checkpoints"), _final(tmp_path / "ref")
+    assert got["step"] == want["step"] == TASK_STEPS and got["counter"]["count"] == TASK_STEPS
+    assert want["fingerprint"]["task"] == "mnist-mlp-dropout"
+    assert_same_state(want, got, keys=("model", "optimizer", "scheduler", "counter"))
+
+
+def _final(directory) -> dict:
+    """The newest checkpoint of a sharded run, its shards read whole: as a replicated run's state."""
+    state = load_latest(str(directory))[0]
+    return sharded_files.read_whole(str(directory), state)
