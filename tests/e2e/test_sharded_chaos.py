@@ -60,6 +60,7 @@ def test_a_sharded_run_through_kill_join_and_preemption_reshards_in_memory_and_e
     assert max(abs(fsdp[s] - ddp[s]) for s in ddp) < 2e-3, (ddp, fsdp)
     assert abs(chaos["summary"]["test_accuracy"] - clean["summary"]["test_accuracy"]) <= 0.004
     assert chaos["summary"]["test_accuracy"] > 0.85
+    assert json.loads((tmp_path / "fsdp" / "etcd.json").read_text())["v2_api"] is False, "etcd-v3 needs no v2 API"
 
 
 TASK = str(REPO / "tests" / "sharded_task.py")
