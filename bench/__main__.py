@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-only", action="store_true",
                    help="only a kill, a preemption and a join at 2 to 8 nodes (~15 min; bench/scale.py)")
     p.add_argument("--sharded-only", action="store_true",
-                   help="only sharded training under chaos: a 37M model's changes, a DCP restart, throughput (~10 min)")
+                   help="only sharded training under chaos: a 37M model's changes, a DCP restart, throughput (~5 min)")
     p.add_argument("--soak-changes", type=int, default=500, help="membership changes in the soak (default 500)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
     p.add_argument("--spot-tick", type=float, default=None,

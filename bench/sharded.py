@@ -2,7 +2,7 @@
 model resharded in memory, against a restart that loads a DCP checkpoint at the new size, and the seed's MLP
 sharded; then the sharded run's throughput against DDP's on the same model. One run each, etcd-v3.
 
-    python -m bench --sharded-only --data-dir ../shared/data --update-docs     # ~10 min on 2 cores
+    python -m bench --sharded-only --data-dir ../shared/data --update-docs     # ~5 min on 2 cores
 
 The stall is the launcher's (the last step trained before the change to the first at the new size), with its
 breakdown: `state` is the agreement and the reshard, from the new round's group to the loaded state. The bytes
@@ -13,6 +13,7 @@ are what each rank sent in the reshard (its resume record). Writes OUT/sharded.j
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def render(result: dict) -> str:
         step = f"{r['step_ms'] / 1000:.2f} s" if r.get("step_ms") else ""
         lines.append(f"| {r['case']} | {sec(r['stall_s'])} | {_phase(r, 'detection_s')} | {_phase(r, 'rendezvous_s')} "
                      f"| {_phase(r, 'state_s')} | {_phase(r, 'first_step_s')} | {step} | {r['steps_redone']} | "
-                     f"{sent} | {', '.join(r['sources'])} |")
+                     f"{sent} | {', '.join(os.path.basename(x) for x in r['sources'])} |")
     t = result["throughput"]
     if "error" not in t.get("ddp", {"error": 1}) and "error" not in t.get("fsdp", {"error": 1}):
         lines += ["", f"Throughput, 37M-parameter MLP at world 2: DDP {t['ddp']['samples_per_s']:.0f} samples/s, "
