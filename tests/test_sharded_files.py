@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_torchrun
 from gloo_group import run_group
 from sharded_parts import HIDDEN, LR, gathered, step, wrapped
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -75,3 +76,24 @@ def test_saved_at_three_loaded_at_two_and_whole_and_refused_when_damaged(tmp_pat
     sharded_files.remove(directory, 2)
     assert not os.path.exists(sharded_files.shards_dir(directory, 2))
     assert not [n for n in os.listdir(directory) if ".tmp-" in n]  # no temp dir left behind
+
+
+@pytest.mark.slow  # two torchrun runs of two sharded workers
+def test_a_checkpoint_whose_shards_do_not_verify_is_set_aside_and_the_run_resumes_from_the_one_before(
+        small_mnist, tmp_path):
+    common = ["--data-dir", small_mnist, "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--log-dir", str(tmp_path / "runs"), "--parallel", "fsdp", "--checkpoint-every", "10",
+              "--global-batch-size", "64"]
+    first = run_torchrun(["--standalone", "--nproc-per-node=2"], [*common, "--max-steps", "20"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    shards = sharded_files.shards_dir(str(tmp_path / "ckpt"), 20)
+    damaged = os.path.join(shards, next(n for n in sorted(os.listdir(shards)) if n.endswith(".distcp")))
+    data = bytearray(Path(damaged).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(damaged).write_bytes(bytes(data))
+    second = run_torchrun(["--standalone", "--nproc-per-node=2"], [*common, "--max-steps", "25"])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    assert "[resume] step 10 from" in out and "checksum mismatch" in out and "moved aside" in out
+    assert os.listdir(tmp_path / "ckpt" / "corrupt") == ["ckpt-000000020.pt"], "the damaged step, kept to look at"
+    assert checkpoint.list_checkpoints(str(tmp_path / "ckpt"))[0][0] == 25

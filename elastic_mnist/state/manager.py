@@ -27,10 +27,11 @@ from elastic_mnist.state import format as checkpoint
 from elastic_mnist.state import sync as state_sync
 from elastic_mnist.state.registry import OBJECTS_KEY, Progress, Stateful, cpu_snapshot, leaves, load_into, map_tensors
 from elastic_mnist.state.snapshotter import Snapshotter
-from elastic_mnist.state.writer import CheckpointWriter, refuse_foreign
+from elastic_mnist.state.writer import CheckpointWriter, Verifier, refuse_foreign
 
 # The objects whose tensors make up most of a snapshot (its size estimate before the first one).
 _ON_DEVICE = ("model", "optimizer")
+_SHARD_RETRIES = 4  # sharded checkpoints passed over for shards that do not verify, before the restore gives up
 # A temp file in the checkpoint dir younger than this may be another writer's save in progress.
 LIVE_TEMP_S = 600.0
 
@@ -125,7 +126,25 @@ class CheckpointManager:
             saved_world_size=state["world_size"])
 
     def _agree_on_state(self, memory: Held | None) -> tuple[dict | None, str, str]:
-        """(the agreed state or None, where it came from, rank 0's generation token for this group)."""
+        """(the agreed state or None, where it came from, rank 0's generation token for this group). A sharded
+        run's checkpoint whose shards do not verify is set aside, as a file that does not verify is, and the
+        ranks agree again on the one before it."""
+        for _ in range(_SHARD_RETRIES):
+            state, source, token = self._agree_once(memory)
+            if state is None or checkpoint.SHARDS_KEY not in state:
+                return state, source, token
+            from elastic_mnist.state.sharded_files import shards_problem
+
+            problem = shards_problem(self.config.checkpoint_dir, state, self.env.world_size)
+            if not problem:
+                return state, source, token
+            if self.writes:
+                Verifier(self.key, self.metrics.warn).set_aside(source, problem)
+            state_sync.agree_errors(None, self.env.world_size)  # every rank looks again once it is aside
+        raise UserError(f"the newest {_SHARD_RETRIES} sharded checkpoints in {self.config.checkpoint_dir} have shards "
+                        "that do not verify and stay where they are: move them out of the directory")
+
+    def _agree_once(self, memory: Held | None) -> tuple[dict | None, str, str]:
         config, env, error, mine = self.config, self.env, None, None
         held = None if memory is None else state_sync.held(memory.step, memory.lineage, self._encode)
         try:

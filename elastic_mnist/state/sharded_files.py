@@ -115,10 +115,22 @@ def load(directory: str, state: dict, sharded: dict, group=None) -> None:
     dcp.load(sharded, storage_reader=dcp.FileSystemReader(verified_dir(directory, state)), process_group=group)
 
 
+def shards_problem(directory: str, state: dict, world: int) -> str:
+    """Collective (world > 1): why the shards of a decoded sharded checkpoint do not verify ("" when they do),
+    as rank 0 found it (one rank reads them; the directory is every rank's)."""
+    problem = ""
+    if world == 1 or dist.get_rank() == 0:
+        try:
+            verified_dir(directory, state)
+        except checkpoint.CheckpointError as e:
+            problem = str(e)
+    return problem if world == 1 else broadcast_bytes(problem.encode(), 0).decode()
+
+
 def load_listed(directory: str, state: dict, make: Callable[[dict[str, torch.Tensor]], dict], group=None) -> None:
-    """Collective: DCP loads the verified shards into `make(specs)`, the DTensors of this round's mesh built for
-    the tensors the checkpoint lists (`specs`: each one whole, as a meta tensor), in place."""
-    where = verified_dir(directory, state)
+    """Collective: DCP loads the shards (`shards_problem` found none) into `make(specs)`, the DTensors of this
+    round's mesh built for the tensors the checkpoint lists (`specs`: each one whole, as a meta tensor)."""
+    where = shards_dir(directory, state["step"])
     sharded = make(_listed(dcp.FileSystemReader(where)))
     dcp.load(sharded, storage_reader=dcp.FileSystemReader(where), process_group=group)
 
