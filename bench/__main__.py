@@ -229,23 +229,22 @@ def run_soak(args, work: Path) -> int:
 
 def run_scale(args, work: Path) -> int:
     """A change against the job's size; OUT/scale.json, scale.md (and docs with --update-docs)."""
-    started = time.time()
-    result = scale.measure(Runner(work), os.path.abspath(args.data_dir))
-    result.update(provenance=provenance(), machine=describe(), wall_s=round(time.time() - started, 1),
-                  finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
-    if not scale.write(result, Path(args.out), DOCS if args.update_docs else None):
-        log(f"{DOCS} has no {scale.START} ... {scale.END} markers: left unchanged")
-    return 0 if all("error" not in r for r in result["rows"]) else 1
+    return _run_section(scale, args, work)
 
 
 def run_sharded(args, work: Path) -> int:
     """Sharded training under chaos; OUT/sharded.json, sharded.md (and docs with --update-docs)."""
+    return _run_section(sharded, args, work)
+
+
+def _run_section(section, args, work: Path) -> int:
+    """One section's measure, its result with the tree and the machine, its outputs; 0 when no row failed."""
     started = time.time()
-    result = sharded.measure(Runner(work), os.path.abspath(args.data_dir))
+    result = section.measure(Runner(work), os.path.abspath(args.data_dir))
     result.update(provenance=provenance(), machine=describe(), wall_s=round(time.time() - started, 1),
                   finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
-    if not sharded.write(result, Path(args.out), DOCS if args.update_docs else None):
-        log(f"{DOCS} has no {sharded.START} ... {sharded.END} markers: left unchanged")
+    if not section.write(result, Path(args.out), DOCS if args.update_docs else None):
+        log(f"{DOCS} has no {section.START} ... {section.END} markers: left unchanged")
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 

@@ -22,3 +22,9 @@ def pct(v) -> str:
 
 def sec(v) -> str:
     return "n/a" if v is None else f"{v:.2f} s"
+
+
+def phase(row: dict, key: str) -> str:
+    """A row's breakdown entry `key` in seconds, or nothing where it has none."""
+    b = row.get("breakdown") or {}
+    return sec(b.get(key)) if b.get(key) is not None else ""

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -159,3 +160,18 @@ def update_between_markers(doc: Path, text: str, start: str = START, end: str = 
         return False
     doc.write_text(pattern.sub(lambda _: f"{start}\n{text}{end}", content, count=1))
     return True
+
+
+def write_section(name: str, result: dict, text: str, out: Path, docs: Path | None, start: str, end: str) -> bool:
+    """OUT/NAME.json and OUT/NAME.md of one bench section, and with `docs` its table between the markers there
+    (False when the page has no markers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(text)
+    return docs is None or update_between_markers(docs, text, start, end)
+
+
+def measured(result: dict) -> str:
+    """A bench section's first line: when, how long, on what machine, which tree."""
+    return (f"Measured {result['finished_at']} ({result['wall_s']:.0f} s) on: {one_line(result['machine'])}. "
+            f"Tree: {result['provenance']['describe']}.")

@@ -12,14 +12,12 @@ are what each rank sent in the reshard (its resume record). Writes OUT/sharded.j
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from pathlib import Path
 
 from bench import elastic, report
-from bench.fmt import sec
-from bench.machine import one_line
+from bench.fmt import phase, sec
 from bench.runner import BenchError, Runner, log, median, ratio
 from bench.settings import Settings
 from elastic_mnist.runlog import read_records
@@ -91,14 +89,8 @@ def _throughput(runner: Runner, data_dir: str) -> dict:
     return out
 
 
-def _phase(row: dict, key: str) -> str:
-    b = row.get("breakdown") or {}
-    return sec(b.get(key)) if b.get(key) is not None else ""
-
-
 def render(result: dict) -> str:
-    lines = [f"Measured {result['finished_at']} ({result['wall_s']:.0f} s) on: {one_line(result['machine'])}. "
-             f"Tree: {result['provenance']['describe']}.", "",
+    lines = [report.measured(result), "",
              "| change | stall | detection | rendezvous | state (agreement + reshard) | first step | step | "
              "steps redone | bytes sent per rank | state from |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -107,8 +99,8 @@ def render(result: dict) -> str:
             continue
         sent = ", ".join(f"{b / 2**20:.1f} MiB" for b in r["sent_bytes"]) or "-"
         step = f"{r['step_ms'] / 1000:.2f} s" if r.get("step_ms") else ""
-        lines.append(f"| {r['case']} | {sec(r['stall_s'])} | {_phase(r, 'detection_s')} | {_phase(r, 'rendezvous_s')} "
-                     f"| {_phase(r, 'state_s')} | {_phase(r, 'first_step_s')} | {step} | {r['steps_redone']} | "
+        lines.append(f"| {r['case']} | {sec(r['stall_s'])} | {phase(r, 'detection_s')} | {phase(r, 'rendezvous_s')} "
+                     f"| {phase(r, 'state_s')} | {phase(r, 'first_step_s')} | {step} | {r['steps_redone']} | "
                      f"{sent} | {', '.join(os.path.basename(x) for x in r['sources'])} |")
     t = result["throughput"]
     if "error" not in t.get("ddp", {"error": 1}) and "error" not in t.get("fsdp", {"error": 1}):
@@ -119,7 +111,4 @@ def render(result: dict) -> str:
 
 
 def write(result: dict, out: Path, docs: Path | None) -> bool:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sharded.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "sharded.md").write_text(render(result))
-    return docs is None or report.update_between_markers(docs, render(result), START, END)
+    return report.write_section("sharded", result, render(result), out, docs, START, END)

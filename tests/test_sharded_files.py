@@ -95,5 +95,6 @@ def test_a_checkpoint_whose_shards_do_not_verify_is_set_aside_and_the_run_resume
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     out = second.stdout + second.stderr
     assert "[resume] step 10 from" in out and "checksum mismatch" in out and "moved aside" in out
-    assert os.listdir(tmp_path / "ckpt" / "corrupt") == ["ckpt-000000020.pt"], "the damaged step, kept to look at"
+    assert sorted(os.listdir(tmp_path / "ckpt" / "corrupt")) == ["ckpt-000000020.pt", "ckpt-000000020.shards"], \
+        "the damaged step, file and shards, kept to look at"
     assert checkpoint.list_checkpoints(str(tmp_path / "ckpt"))[0][0] == 25

@@ -13,6 +13,7 @@ reported once (the worker refuses such a directory at start: refuse_foreign).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -86,6 +87,9 @@ class Verifier:
             os.rename(path, target)
         except FileNotFoundError:  # another writer moved it first
             return True
+        if os.path.isdir(shards_of(path)) and not os.path.islink(shards_of(path)):  # a sharded step's rows go too
+            with contextlib.suppress(OSError):  # another writer moved them first: the file is what counts
+                os.rename(shards_of(path), shards_of(target) if target.endswith(".pt") else target + ".shards")
         self.warn(f"warning: {path} does not verify ({problem}); moved aside to {target} (it takes no place "
                   "among the checkpoints kept)")
         return True
