@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_group import run_group
-from sharded_parts import HIDDEN, LR, gathered, step
+from sharded_parts import HIDDEN, LR, gathered, step, wrapped
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.state import format as checkpoint
@@ -133,3 +133,38 @@ def test_kills_and_a_join_agree_on_the_newest_state_whole_in_memory(tmp_path):
         assert got["step"] == 3 and _same(got["after"], before) and got["owner"] == 1, rank
         assert got["received"] < whole / 2
     assert torch.load(tmp_path / "after-b-0.pt")["sent"] == 0  # the joiner
+
+
+def _rounds(rank: int, world: int, out_dir: str) -> None:
+    """Three rounds in one process, each a group of its own, a sharded step and a keep: what a kept worker does."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from elastic_mnist.compat import private as compat
+
+    store = dist.FileStore(os.path.join(out_dir, "rounds-store"), 1)
+    dist.destroy_process_group()  # run_group's: each round below forms its own, as a kept worker's rounds do
+    alive, keepers = [], []
+    for i in range(3):
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"round{i}", store), rank=0, world_size=1)
+        model, optimizer = wrapped(sharded.mesh_of(name=f"round{i}"))
+        step(model, optimizer, i, 0)
+        keeper = Keeper(f"L{i}", 0, 1)
+        rows, rest = sharded.split_state({}, model, optimizer)
+        keeper.advance(i, rows, sharded.specs_of(model, optimizer), rest)
+        keepers = [keeper]  # what the process holds between rounds: the last round's keeper only
+        del model, optimizer, rows, rest
+        dist.destroy_process_group()
+        compat.forget_meshes()
+        gc.collect()
+        alive.append(sum(isinstance(o, DeviceMesh) for o in gc.get_objects()))
+    assert keepers and alive == [0, 0, 0], f"meshes (and their process groups) alive after each round: {alive}"
+    dist.init_process_group("gloo", store=dist.PrefixStore("last", store), rank=0, world_size=1)  # run_group's end
+
+
+@pytest.mark.slow  # a real process (its own groups)
+def test_a_round_leaves_no_mesh_behind_it_with_its_process_group(tmp_path):
+    """A keep's copy that recorded autograd history, or DTensor's caches, would keep every round's mesh, and
+    through it that round's process group (a thread, a socket, file descriptors), alive."""
+    run_group(_rounds, 1, str(tmp_path))

@@ -278,10 +278,12 @@ def import_sharding() -> None:
 
 
 def forget_meshes() -> None:
-    """DTensor's sharding caches keep every mesh they met, and a mesh equals an earlier one of the same ranks
-    whatever this process's rank in it was: a later round of sharded training would be handed the earlier
-    round's mesh (its offsets, its process groups). A round's meshes go when its groups do. Checked when
-    called: the module is imported only by sharded training (its import is a cost other workers skip)."""
+    """DTensor's caches keep every mesh they met (its sharding propagation, its redistribution plans, its
+    topology), and a mesh equals an earlier one of the same ranks whatever this process's rank in it was: a later
+    round of sharded training would be handed the earlier round's mesh (its offsets), and every round's process
+    group would live on through its mesh (a thread, a socket and file descriptors each). A round's meshes go
+    when its groups do. Checked when first called: only sharded training imports DTensor (a cost other workers
+    skip)."""
     if "torch.distributed.tensor" in sys.modules:
         for clear in _sharding_caches():
             clear()
@@ -289,10 +291,19 @@ def forget_meshes() -> None:
 
 @functools.cache
 def _sharding_caches() -> tuple:
-    tensor, what = sys.modules["torch.distributed.tensor"], "DTensor's sharding propagation caches"
+    """Each cache of DTensor's that keeps the meshes it met, as the function that empties it."""
+    import torch.distributed.tensor._collective_utils as collective
+    import torch.distributed.tensor._redistribute as redistribute
+
+    tensor, what = sys.modules["torch.distributed.tensor"], "DTensor's caches of meshes"
     prop = require(require(require(tensor, "DTensor", what), "_op_dispatcher", what), "sharding_propagator", what)
-    return tuple(require(require(prop, name, what), "cache_clear", what)
-                 for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"))
+    return (*(require(require(prop, name, what), "cache_clear", what)
+              for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")),
+            require(require(redistribute, "_gen_transform_infos", what), "cache_clear", what),
+            require(require(redistribute, "_planner_cache", what), "clear", what),
+            require(require(require(collective, "MeshTopoInfo", what), "build_from_mesh", what), "cache_clear", what),
+            # The C++ dispatch's own cache of the same (torch 2.14; 2.13 dispatches DTensor in Python only).
+            *[c for c in (getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),) if c])
 
 
 # -- the C++ Store trampoline (rendezvous/store.py) ------------------------------------------------------------

@@ -70,7 +70,8 @@ class Keeper:
         device = rows[names[0]].device
         reuse = spare is not None and spare.layout == (own_layout, copy_layout)
         own_flat, own = reshard_mod.flat_views(own_layout, device, spare.flats[0] if reuse else None)
-        compat.foreach_copy_([own[n] for n in names], [rows[n] for n in names])
+        with torch.no_grad():  # a copy that recorded autograd history would keep the round's tensors alive
+            compat.foreach_copy_([own[n] for n in names], [rows[n] for n in names])
         # Copies: the optimizer's step counts and the like change in place at the next step.
         replicated = map_tensors(replicated, lambda t: t.detach().clone())
         kept = Kept(Offer(self.lineage, step, self.rank, self.world), own, {}, specs, replicated)

@@ -62,7 +62,7 @@ def rows_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     as Adam's step). Names: `model.<param>` and `optimizer.<param>.<key>`; the rows are views, not copies."""
     rows, replicated = {}, {}
     for name, p in model.named_parameters():
-        rows[f"model.{name}"] = p.to_local()
+        rows[f"model.{name}"] = p.detach().to_local()  # no autograd history: it would hold the round's mesh
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, DTensor):
                 rows[f"optimizer.{name}.{key}"] = value.to_local()
