@@ -182,6 +182,13 @@ def mark_stopping(where: str, stopping: bool) -> None:
             os.unlink(path)
 
 
+def stopping_for_round(environ=os.environ) -> bool:
+    """The worker's side: its agent is stopping it for the next round (a join, a peer's round-over), not
+    ending the node. Read when a stop signal comes: the agent sets the note before it signals."""
+    path = _note(STOPPING, environ)
+    return bool(path) and os.path.exists(path)
+
+
 def take_round_over(where: str) -> bool:
     """The agent's side: True once for each note a worker left (removing it lets that worker exit)."""
     try:

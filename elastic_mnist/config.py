@@ -80,6 +80,8 @@ class TrainConfig:
     """Seconds without a heartbeat after which a frozen peer counts as lost (a killed one is seen at once)."""
     heartbeat_interval: float = 0.25
     """Seconds between peer heartbeats on the control plane."""
+    stop_wait: float = 3.0
+    """--parallel fsdp: seconds a stopped node trains on to see if all stop (then all save); else it leaves alone."""
     # auto copies on GPUs because they run ahead of the host (see state/manager.py).
     failure_state: str = "auto"
     """Saved on peer loss: copy (last agreed step, on device), live (model as is), auto (GPU: copy; CPU: live)."""
@@ -218,6 +220,7 @@ RANGES = {
     "snapshot_every": (0, 10**9), "snapshot_cap_mb": (0, 1 << 30), "snapshot_max_age_h": (0.0, 24 * 365.0),
     "log_every": (1, 10**9), "collective_timeout": (0.0, 86_400.0), "connect_timeout": (0.0, 86_400.0),
     "round_timeout": (0.0, 86_400.0), "peer_timeout": (0.0, 3_600.0), "heartbeat_interval": (0.0, 60.0),
+    "stop_wait": (0.0, 60.0),
     "min_step_time": (0.0, 3_600.0), "startup_cost": (0.0, 3_600.0), "lr": (0.0, 1_000.0), "grad_clip": (0.0, 1e9),
     "seed": (0, 2**32 - 1),
 }

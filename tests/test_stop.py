@@ -112,3 +112,35 @@ def test_the_pod_passes_only_the_first_sigterm_on_to_torchrun():
         if forwarder and forwarder.timer:
             forwarder.timer.cancel()  # its stop deadline would kill this process's children
     assert forwarder.received == signal.SIGTERM and out == "1\n", "one SIGTERM reached torchrun"
+
+
+def test_a_stop_for_the_agents_next_round_is_told_from_the_nodes_end(tmp_path, monkeypatch):
+    from elastic_mnist import agent_link
+    from elastic_mnist.contract.env import AGENT_DIR_ENV
+
+    monkeypatch.setenv(AGENT_DIR_ENV, str(tmp_path))
+    stop = StopRequest()
+    stop.install()
+    _send(signal.SIGTERM)  # the node's own stop: no note from its agent
+    assert stop.node_ends and not stop.for_round and not stop.waited(60) and stop.waited(0)
+    stop.spent()
+    agent_link.mark_stopping(str(tmp_path), True)  # the agent restarts its workers for a join
+    _send(signal.SIGTERM)
+    assert stop.requested and stop.for_round and not stop.node_ends
+    stop.spent()
+    assert not stop.for_round
+    _send(signal.SIGHUP)  # the agent died: not a stop the ranks wait on either
+    assert stop.orphaned and not stop.node_ends
+
+
+@pytest.mark.parametrize("sums, world, expected", [
+    ((0, 0, 0), 3, ""),  # nobody stops
+    ((1, 0, 0), 3, "leave"),  # a join or an agent gone (or a rank that saves alone): at once
+    ((3, 2, 0), 3, "leave"),  # one rank's stop is its agent's round change: at once
+    ((2, 2, 0), 3, ""),  # two of three nodes end: wait for the third
+    ((2, 2, 1), 3, "leave"),  # ... for --stop-wait at most: then they leave, the third resumes from memory
+    ((3, 3, 0), 3, "save"),  # every node ends: all save together
+    ((3, 3, 3), 3, "save"),
+])
+def test_the_ranks_leave_at_once_wait_or_save_together(sums, world, expected):
+    assert stop_signals.verdict(*sums, world) == expected

@@ -64,6 +64,9 @@ class Held:
 
 
 class CheckpointManager:
+    saves_alone = True
+    """Any rank can save the whole state by itself (at its node's end, on a peer's loss)."""
+
     def __init__(self, config: TrainConfig, env: DistEnv, metrics: Metrics, fingerprint: dict,
                  key: bytes | None = None):
         self.config, self.env, self.metrics, self.fingerprint, self.key = config, env, metrics, fingerprint, key

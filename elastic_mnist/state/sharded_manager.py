@@ -31,6 +31,8 @@ from elastic_mnist.state.writer import prune
 class ShardedCheckpoints(CheckpointManager):
     """`shards`: the round's learner as rows and the rest (worker/sharded.py's ShardedState)."""
 
+    saves_alone = False  # a rank holds its rows only: the ranks save together or not at all
+
     def __init__(self, config, env, metrics, fingerprint: dict, key: bytes | None, shards) -> None:
         super().__init__(config, env, metrics, fingerprint, key)
         self.shards = shards

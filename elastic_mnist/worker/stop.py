@@ -20,9 +20,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from elastic_mnist import agent_link
 from elastic_mnist.contract import exit_codes
 from elastic_mnist.worker.phase import Phase
 
@@ -38,6 +40,10 @@ class StopRequest:
 
     def __init__(self, orphan_grace_s: float = 0.0) -> None:
         self.signum: int | None = None
+        self.since = 0.0
+        """When the stop came (monotonic)."""
+        self.for_round = False
+        """The agent stops this worker for its next round (a join): the node goes on."""
         self.orphan_grace_s = orphan_grace_s
         self.received = 0
         """How many stop signals arrived (a repeat changes nothing else)."""
@@ -66,7 +72,8 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process
         if signum != signal.SIGHUP and self.signum is not None:
             return  # already stopping (SIGTERM again, or after SIGHUP): keep the first reason and its timer
-        self.signum = signum
+        self.signum, self.since = signum, time.monotonic()
+        self.for_round = signum != signal.SIGHUP and agent_link.stopping_for_round()
         if signum == signal.SIGHUP:
             self._start_orphan_timer()
 
@@ -91,11 +98,19 @@ class StopRequest:
     def orphaned(self) -> bool:
         return self.signum == signal.SIGHUP
 
+    @property
+    def node_ends(self) -> bool:
+        """A stop of this node itself (a preemption, the job's end), not its agent's round change nor its death."""
+        return self.requested and not self.orphaned and not self.for_round
+
+    def waited(self, seconds: float) -> bool:
+        return self.requested and time.monotonic() - self.since >= seconds
+
     def spent(self) -> None:
         """The stop that ended a round is spent: a worker kept for the next round waits for another (a stop
         signal before that round is about the round that ended: Phase.BETWEEN_ROUNDS)."""
         if not self.orphaned:
-            self.signum = None
+            self.signum, self.for_round = None, False
 
     @contextmanager
     def leave_at_once(self, what: str, before: Callable[[], str] | None = None):
@@ -131,6 +146,20 @@ class StopRequest:
 
 
 _LEAVE_ON = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+
+
+def verdict(stops: float, node_ends: float, waited_out: float, world: int) -> str:
+    """What the ranks agree on at a step, from the sums of their stop requests: "" trains on, "leave", or
+    "save": every rank's node ends, so they save together before leaving. `node_ends` counts only the ranks
+    that cannot save alone (a sharded round kept in place); each of those trains on, for at most its
+    --stop-wait (`waited_out`), to see whether the whole job is stopping. Any other stop leaves at once."""
+    if not stops:
+        return ""
+    if stops > node_ends:
+        return "leave"
+    if node_ends >= world:
+        return "save"
+    return "leave" if waited_out else ""
 
 
 def _watch(read_fd: int, done: threading.Event, what: str, before: Callable[[], str] | None) -> None:

@@ -28,6 +28,7 @@ from elastic_mnist.worker.failure import Bounds, FailureHandoff, Handled
 from elastic_mnist.worker.fault_points import FaultPoints
 from elastic_mnist.worker.parallel import DataParallel
 from elastic_mnist.worker.step import ScalerState, StepMath
+from elastic_mnist.worker.stop import verdict as stop_verdict
 from elastic_mnist.worker.task import Task
 
 
@@ -73,6 +74,7 @@ class Trainer:
         self.device = next(self.model.parameters()).device
         self.throughput = Throughput()
         self.stopped_early = self.superseded = False
+        self.save_together = self._waiting = False  # every rank's node ends: they save together (stop.verdict)
         self.faults = FaultPoints(env.rank, self.progress.step)
         # Held while the optimizer step and the step counter change: outside it, model, optimizer and
         # step agree, so the peer watch may save them from its own thread while this one is blocked.
@@ -89,15 +91,22 @@ class Trainer:
         return self.math.forward_backward(x, y), idx
 
     def _agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
-        """Global mean loss, and whether any rank was asked to stop (or found the group superseded):
-        one all-reduce per step on the control plane, so all ranks decide alike at the same step."""
-        local = [float(loss_sum), float(self.stop.requested), float(self.superseded)]  # waits for the device
-        loss, stop, superseded = self.control.agree(local)
+        """Global mean loss, and whether the ranks leave (a stop, or the group superseded): one all-reduce
+        per step on the control plane, so all ranks decide alike at the same step (stop.verdict)."""
+        waits = self.stop.node_ends and self.in_place and not self.checkpoints.saves_alone
+        local = [float(loss_sum), float(self.stop.requested), float(self.superseded), float(waits),
+                 float(waits and self.stop.waited(self.config.stop_wait))]  # waits for the device
+        loss, stops, superseded, node_ends, waited_out = self.control.agree(local)
         self.superseded = superseded > 0
-        if stop > 0 or self.superseded:
+        verdict = "leave" if self.superseded else stop_verdict(stops, node_ends, waited_out, self.world_size)
+        self.save_together = verdict == "save"
+        if verdict:
             self.control.ending()
+        elif waits and not self._waiting:
+            self._waiting = True
+            self.metrics.event("stop_waits", step=self.progress.step, wait_s=self.config.stop_wait)
         self.checkpoints.confirm_step()  # every rank finished this step: a state safe to save on failure
-        return loss / self.config.global_batch_size, stop > 0 or self.superseded
+        return loss / self.config.global_batch_size, bool(verdict)
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -132,7 +141,8 @@ class Trainer:
         why = ("superseded by a newer group" if self.superseded else
                "our torchrun agent died" if self.stop.orphaned else "stop requested")
         self.metrics.event("stop", f"[stop] {why}; leaving at step {self.progress.step}", step=self.progress.step,
-                           signalled=self.stop.requested, superseded=self.superseded, orphaned=self.stop.orphaned)
+                           signalled=self.stop.requested, superseded=self.superseded, orphaned=self.stop.orphaned,
+                           saved_together=self.save_together)
 
     def _after_step(self, loss: float, first: bool) -> None:
         step, cfg = self.progress.step, self.config
@@ -235,7 +245,7 @@ class Trainer:
     def _finish(self) -> dict:
         if self.progress.last_eval.get("step") != self.progress.step and not self.stopped_early:
             self.evaluate()
-        if not (self.in_place and self.stopped_early):  # kept in memory: saved at the node's end, if ever
+        if self.save_together or not (self.in_place and self.stopped_early):  # kept: saved at the node's end
             self.checkpoints.finish(superseded=self.superseded)
         self.control.ending()
         if self.world_size > 1:  # nobody restarts and reads before rank 0's final write is durable, and
