@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharded-only", action="store_true",
                    help="only sharded training under chaos: a 37M model's changes, a DCP restart, throughput (~5 min)")
     p.add_argument("--soak-changes", type=int, default=500, help="membership changes in the soak (default 500)")
+    p.add_argument("--soak-parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="how the soak's workers hold the model (default ddp; fsdp writes soak-fsdp.*)")
     p.add_argument("--spot-trace", default=str(spot.TRACE), help=f"the spot trace to replay (default {spot.TRACE})")
     p.add_argument("--spot-tick", type=float, default=None,
                    help=f"seconds per trace interval in the spot replay (default {spot.SpotSettings.tick_s}; "
@@ -218,10 +220,11 @@ def run_soak(args, work: Path) -> int:
     if not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
         log(f"error: --data-dir {args.data_dir!r} has no MNIST/raw")
         return 1
-    result = soak.measure(Path(args.out), os.path.abspath(args.data_dir), max(2, args.soak_changes), work)
+    result = soak.measure(Path(args.out), os.path.abspath(args.data_dir), max(2, args.soak_changes), work,
+                          args.soak_parallel)
     result.update(provenance=provenance(), finished_at=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     if not soak.write(result, Path(args.out), DOCS if args.update_docs else None):
-        log(f"{DOCS} has no {soak.START} ... {soak.END} markers: left unchanged")
+        log(f"{DOCS} has no {' ... '.join(soak.markers(args.soak_parallel))} markers: left unchanged")
     for t in result["targets"]:
         log(f"target {t['id']}: {({True: 'met', False: 'MISSED', None: 'not measured'})[t['met']]} ({t['value']})")
     return 0 if result["changes"] == result["changes_scheduled"] else 1  # the launcher ends it: not 0

@@ -2,13 +2,15 @@
 
     python -m bench --soak --data-dir ../shared/data --update-docs      # 500 changes, ~35 min on 2 cores
     python -m bench --soak --soak-changes 60 --out /tmp/soak             # a short one
+    python -m bench --soak --soak-parallel fsdp --soak-changes 100 --update-docs   # sharded kept workers
 
 Two long-lived nodes (n0, n1) train throughout under `elastic-mnist local`; a third node joins and leaves
 again, again and again: killed, preempted (SIGTERM), and, as root, its host vanished (`--hosts`). Every
 kept worker journals what it holds at each round's end (threads, descriptors, sockets, RSS: usage.py); a
 sampler reads etcd (keys, revision, database size after a compaction), the agents and warm processes, the
 run's /dev/shm, checkpoints and logs. Writes OUT/soak.json and OUT/soak.png; --update-docs puts the table
-between `<!-- soak:start -->` and `<!-- soak:end -->` in docs/benchmarks.md.
+between `<!-- soak:start -->` and `<!-- soak:end -->` in docs/benchmarks.md. Under --soak-parallel fsdp the
+files are soak-fsdp.* and the markers soak-fsdp:start and soak-fsdp:end.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.contract.env import NODE_ENV
 from elastic_mnist.usage import usage
 
-START, END = "<!-- soak:start -->", "<!-- soak:end -->"
+
+def name(parallel: str) -> str:
+    """The soak's file and marker name: soak (the default, DDP) or soak-PARALLEL."""
+    return "soak" if parallel == "ddp" else f"soak-{parallel}"
+
+
+def markers(parallel: str) -> tuple[str, str]:
+    return f"<!-- {name(parallel)}:start -->", f"<!-- {name(parallel)}:end -->"
+
 WARM_UP = 20  # rounds before growth is measured (the issue's warm-up: caches, first compiles)
 STEPS_BETWEEN = 24  # steps of training between two changes (at 0.05 s a step)
 SAMPLE_S = 2.0
@@ -46,13 +56,15 @@ def schedule(changes: int, hosts: bool, gap: int = STEPS_BETWEEN, first: int = 4
     return ",".join(faults[:changes])
 
 
-def measure(out: Path, data_dir: str, changes: int, work: Path) -> dict:
+def measure(out: Path, data_dir: str, changes: int, work: Path, parallel: str = "ddp") -> dict:
     hosts = os.geteuid() == 0 and all(shutil.which(t) for t in ("ip", "nft", "unshare"))
     run_dir = work / "soak-run"
     cmd = [*python_m("elastic_mnist"), "local", "--nodes", "2", "--max-nodes", "3", "--chaos", schedule(changes, hosts),
            "--end-after-chaos", "--run-dir", str(run_dir), "--min-step-time", "0.05", "--epochs", "1000",
-           "--data-dir", data_dir, "--timeout", str(60 + 12 * changes), *(["--hosts"] if hosts else [])]
-    log(f"soak: {changes} changes{' (vanish: with --hosts)' if hosts else ' (no vanish: needs root)'}; {run_dir}")
+           "--data-dir", data_dir, "--timeout", str(60 + 12 * changes), *(["--hosts"] if hosts else []),
+           "--parallel", parallel]
+    vanish = " (vanish: with --hosts)" if hosts else " (no vanish: needs root)"
+    log(f"soak ({parallel}): {changes} changes{vanish}; {run_dir}")
     sampler = Sampler(run_dir)
     started = time.time()
     with open(work / "soak-local.log", "wb") as f:
@@ -63,7 +75,7 @@ def measure(out: Path, data_dir: str, changes: int, work: Path) -> dict:
     local = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else {}
     result = summarize(run_dir, local, sampler.samples, sampler.etcd)
     result.update(command=" ".join(cmd), exit_code=code, wall_s=round(time.time() - started, 1), hosts=hosts,
-                  changes_scheduled=changes, machine=describe())
+                  changes_scheduled=changes, machine=describe(), parallel=parallel)
     result["targets"] = judge(result)
     return result
 
@@ -296,7 +308,7 @@ def plot(result: dict, path: Path) -> None:
     pts = [(s["time"] - t0, s["etcd_db_bytes"] / 1e6) for s in result["etcd"] if "etcd_db_bytes" in s]
     axes.flat[3].plot([p[0] for p in pts], [p[1] for p in pts], lw=1)
     axes.flat[3].set(xlabel="seconds", ylabel="etcd database MB (after compaction)")
-    fig.suptitle(f"soak: {result['changes']} membership changes")
+    fig.suptitle(f"soak: {result['changes']} membership changes (--parallel {result.get('parallel', 'ddp')})")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -306,7 +318,8 @@ def render(result: dict) -> str:
     stalls = result["stalls_s"]
     lines = [f"Measured {result['finished_at']} ({result['wall_s']:.0f} s) on: {one_line(result['machine'])}. "
              f"Tree: {result['provenance']['describe']}.", "",
-             f"{result['changes']} changes ({', '.join(result['kinds'])}), 2 long-lived nodes; stall p50 "
+             f"{result['changes']} changes ({', '.join(result['kinds'])}), 2 long-lived nodes, --parallel "
+             f"{result.get('parallel', 'ddp')}; stall p50 "
              f"{median(stalls[:50])} s (first 50), {median(stalls[-50:])} s (last 50); fresh workers on the "
              f"long-lived nodes: {result['fresh_workers']}; fallbacks: {len(result['fallbacks'])}.", "",
              "| node | rounds | RSS MB (round 20 → last) | MB per 100 rounds | threads (first → last window) | "
@@ -322,8 +335,9 @@ def render(result: dict) -> str:
                   f"{etcd[-1]['etcd_revision']}, database {etcd[0]['etcd_db_bytes'] / 1e6:.1f} → "
                   f"{etcd[-1]['etcd_db_bytes'] / 1e6:.1f} MB "
                   "after compaction."]
-    lines += ["", "![soak](../bench/results/soak.png)", "", *report.targets_md(result), ""]
-    return "<!-- generated by `python -m bench --soak` from soak.json; do not edit -->\n" + "\n".join(lines)
+    own = name(result.get("parallel", "ddp"))
+    lines += ["", f"![soak](../bench/results/{own}.png)", "", *report.targets_md(result), ""]
+    return f"<!-- generated by `python -m bench --soak` from {own}.json; do not edit -->\n" + "\n".join(lines)
 
 
 def _window(g: dict) -> str:
@@ -332,10 +346,12 @@ def _window(g: dict) -> str:
 
 def write(result: dict, out: Path, docs: Path | None) -> bool:
     out.mkdir(parents=True, exist_ok=True)
-    plot(result, out / "soak.png")
-    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "soak.md").write_text(render(result))
-    return docs is None or report.update_between_markers(docs, render(result), START, END)
+    parallel = result.get("parallel", "ddp")
+    own = name(parallel)
+    plot(result, out / f"{own}.png")
+    (out / f"{own}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{own}.md").write_text(render(result))
+    return docs is None or report.update_between_markers(docs, render(result), *markers(parallel))
 
 
 if __name__ == "__main__":
