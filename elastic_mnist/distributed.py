@@ -23,7 +23,7 @@ from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import NODE_ENV, peer_beacons
 from elastic_mnist.contract.errors import NodeLocalError
 from elastic_mnist.contract.keys import MUSTER_PREFIX
-from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard
+from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard, begin_round, cut_round
 from elastic_mnist.netprobe import wait_for_listener
 
 
@@ -129,6 +129,7 @@ def muster(env: DistEnv, connect_s: float, stopped: Callable[[], bool], arrived:
     called once the store is up (tests' fault points)."""
     if not env.launched or env.master is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         return None
+    begin_round()  # what connects from here on is this round's (abandon_round cuts it)
     host, port = env.master
     deadline = time.monotonic() + connect_s
     try:
@@ -312,11 +313,14 @@ def wait(work, gloo: bool | None = None) -> None:
 
 
 def abandon_round() -> None:
-    """From any thread: every collective this process waits in (and any it starts) raises RoundAbandoned."""
+    """From any thread: every collective this process waits in (and any it starts) raises RoundAbandoned;
+    on gloo, one that torch waits on by itself fails too, its connections cut (graveyard.cut_round)."""
     _ABANDONED.set()
     with _WAITERS_LOCK:
         for done in _WAITERS:
             done.set()
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        cut_round()
 
 
 def teardown(abandoned: bool) -> str:

@@ -8,10 +8,20 @@ threads, which would block on that wait, so they are kept referenced, and let go
 round is in flight: at once after a kill (the peer's reset ends every collective with an error), after the
 groups' timeout after a freeze or a vanished host. A worker kept through hundreds of changes thus holds only
 the groups of rounds whose collectives still wait.
+
+On gloo a round given up also has its TCP connections cut (`begin_round`, `cut_round`): a collective that torch
+waits on by itself (FSDP2's all-gathers and reduce-scatters under --parallel fsdp) cannot be woken from Python,
+and on a peer that vanished (no reset) gloo waits in C++ until the collective timeout; gloo's abort() does not
+wake an operation already pending (measured on torch 2.14). Shutting down the round's connections does: gloo
+fails the operation at once, as when a peer is killed. Every TCP connection this process opened since its
+round began is the round's (its store's, its process groups'); listening sockets stay (a store's server
+outlives its round), and so does everything older. Linux (/proc).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 
@@ -76,3 +86,61 @@ def drained(timeout_s: float = 10.0) -> bool:
     for thread in [t for t in threading.enumerate() if t.name == RELEASE_THREAD]:
         thread.join(max(0.0, deadline - time.monotonic()))
     return not any(t.name == RELEASE_THREAD for t in threading.enumerate())
+
+
+# -- a given-up round's connections ---------------------------------------------------------------------
+_FDS = "/proc/self/fd"
+_BEFORE: set[int] = set()
+_BEGUN: list[bool] = [False]
+
+
+def _sockets() -> dict[int, int]:
+    """This process's socket descriptors, fd -> inode."""
+    out = {}
+    for name in os.listdir(_FDS) if os.path.isdir(_FDS) else ():
+        try:
+            link = os.readlink(f"{_FDS}/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            out[int(name)] = int(link[len("socket:["):-1])
+    return out
+
+
+def begin_round() -> None:
+    """A round begins: what this process holds now is not the round's."""
+    _BEFORE.clear()
+    _BEFORE.update(_sockets().values())
+    _BEGUN[0] = True
+
+
+def cut_round() -> int:
+    """From any thread: shut down (never close: their owners do) the round's TCP connections; how many. Nothing
+    before a round began."""
+    if not _BEGUN[0]:
+        return 0
+    cut_now = 0
+    for fd, inode in _sockets().items():
+        if inode not in _BEFORE and _shut(fd, inode):
+            cut_now += 1
+    return cut_now
+
+
+def _shut(fd: int, inode: int) -> bool:
+    try:
+        if os.fstat(fd).st_ino != inode:
+            return False  # the descriptor was closed and reused meanwhile
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False  # not connected (yet, or any more)
+    finally:
+        sock.detach()

@@ -20,7 +20,7 @@ FLOORS = [
     # warm: workers forked from a warm process; job_secret reads its file through files.read_regular
     {"config", "distributed", "metrics", "warm", "job_secret"},
     {"agent_link"},  # what an agent and its workers share: torchrun's child (a stand-in or a worker) ends there
-    {"runlog", "procs", "files", "netprobe", "compat", "graveyard", "usage"},  # compat: torch reshaped in one place
+    {"runlog", "procs", "files", "netprobe", "compat", "graveyard", "usage"},  # compat: torch reshaped
     {"volume"},  # a full or read-only log or checkpoint volume: what the journal and the writers share
     {"contract"},  # what the processes share: environment variables, exit codes, user errors (stdlib only)
 ]

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_group import run_group
+from sharded_parts import ring_copy
 
 from elastic_mnist.state.reshard import (
     Change,
@@ -18,7 +19,6 @@ from elastic_mnist.state.reshard import (
     holders,
     plan,
     reshard,
-    ring_copy,
     shard_rows,
 )
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from gloo_group import run_group
-from sharded_parts import HIDDEN, LR, gathered, step, wrapped
+from sharded_parts import HIDDEN, LR, gathered, ring_copy, step, wrapped
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from elastic_mnist.state.reshard import Change, buddy_of, holders, reshard, ring_copy
+from elastic_mnist.state.reshard import Change, buddy_of, holders, reshard
 from elastic_mnist.worker import sharded
 from elastic_mnist.worker.model import build_model
 from elastic_mnist.worker.optim import Adam

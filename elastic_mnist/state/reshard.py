@@ -149,22 +149,6 @@ def reshard(shards: dict[str, dict[int, torch.Tensor]], specs: dict[str, torch.T
     return out, _exchange(sends, recvs, change.new_world, device, group)
 
 
-def ring_copy(local: dict[str, torch.Tensor], specs: dict[str, torch.Tensor], world: int, rank: int,
-              group=None) -> dict[str, torch.Tensor]:
-    """Collective: send this rank's rows of every tensor to its ring successor; return its predecessor's (the
-    copy `buddy_of` names), so that one lost rank's rows stay in memory. `specs` as for `reshard`."""
-    if world == 1:
-        return {}
-    names = sorted(local)
-    device = local[names[0]].device
-    own_flat, own = flat_views([(n, local[n].shape, local[n].dtype) for n in names], device)
-    for n in names:
-        own[n].copy_(local[n])
-    copy_flat, copy = flat_views(copy_layout(specs, names, world, rank), device)
-    ring_send(own_flat, copy_flat, world, rank, group)
-    return copy
-
-
 def copy_layout(specs: dict[str, torch.Tensor], names: list[str], world: int, rank: int) -> list[tuple]:
     """(name, shape, dtype) of the ring predecessor's rows of each tensor: what `ring_send` receives."""
     out = []

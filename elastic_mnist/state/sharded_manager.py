@@ -138,7 +138,7 @@ class ShardedCheckpoints(CheckpointManager):
         """Collective: a DCP save of every rank's rows and the published file; a volume that cannot take it is
         one warning (training goes on, the rows stay in memory)."""
         step, t0 = self.progress.step, time.perf_counter()
-        _, rest = self.shards.split()
+        rest = self._rest_of(step)
         epoch, position = divmod(step, self.steps_per_epoch)
         state = {"epoch": epoch, "position": position, **rest, OBJECTS_KEY: sorted(rest), **self._envelope()}
         try:
@@ -156,6 +156,13 @@ class ShardedCheckpoints(CheckpointManager):
             self.writer.block_ms.append(block_ms)
             self.writer.saved += 1
         self.metrics.scalars(step, {"checkpoint/block_ms": block_ms})
+
+    def _rest_of(self, step: int) -> dict:
+        """The replicated rest of `step` as the keeper took it at the step's end: what a resume from memory
+        loads, so one from this checkpoint loads the same (an evaluation since may have drawn from the RNG)."""
+        kept = self.keeper.steps[0] if self.keeper and self.keeper.steps else None
+        ours = kept is not None and kept.offer.step == step and kept.offer.lineage == self.keeper.lineage
+        return kept.replicated if ours else self.shards.split()[1]
 
     def _envelope(self) -> dict:
         return {"config": self.config.to_dict(), "fingerprint": self.fingerprint, "world_size": self.env.world_size,

@@ -6,7 +6,7 @@ size to another in memory.
 
 A round's model is wrapped for that round's mesh; at the next round a fresh copy of the task's model is
 wrapped for the new mesh and takes its rows (`load_rows`). What a rank holds between rounds is what
-`rows_of` returns (its own rows) and the copy of its ring neighbour's rows (state/reshard.py's `ring_copy`).
+`rows_of` returns (its own rows) and the copy of its ring neighbour's rows (state/sharded_sync.py's keeper).
 """
 
 from __future__ import annotations
