@@ -220,7 +220,7 @@ RANGES = {
     "snapshot_every": (0, 10**9), "snapshot_cap_mb": (0, 1 << 30), "snapshot_max_age_h": (0.0, 24 * 365.0),
     "log_every": (1, 10**9), "collective_timeout": (0.0, 86_400.0), "connect_timeout": (0.0, 86_400.0),
     "round_timeout": (0.0, 86_400.0), "peer_timeout": (0.0, 3_600.0), "heartbeat_interval": (0.0, 60.0),
-    "stop_wait": (0.0, 60.0),
+    "stop_wait": (0.0, 20.0),  # with the save, within torchrun's 30 s before it kills its workers
     "min_step_time": (0.0, 3_600.0), "startup_cost": (0.0, 3_600.0), "lr": (0.0, 1_000.0), "grad_clip": (0.0, 1e9),
     "seed": (0, 2**32 - 1),
 }

@@ -23,7 +23,7 @@ from elastic_mnist.compat import private as compat
 from elastic_mnist.contract.env import NODE_ENV, peer_beacons
 from elastic_mnist.contract.errors import NodeLocalError
 from elastic_mnist.contract.keys import MUSTER_PREFIX
-from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard, begin_round, cut_round
+from elastic_mnist.graveyard import RELEASE_MARGIN_S, Graveyard, begin_round, cut_round, round_number
 from elastic_mnist.netprobe import wait_for_listener
 
 
@@ -233,6 +233,7 @@ def init(env: DistEnv, requested_backend: str, timeout_s: float, connect_s: floa
     if backend == "nccl":
         set_nccl_error_handling(os.environ, env.local_rank == 0)
     _ABANDONED.clear()  # a new round: its collectives wait again
+    _GLOO[0] = backend == "gloo"
     _GRAVEYARD.hold_s = max(timeout_s, connect_s or 0.0) + RELEASE_MARGIN_S
     _GRAVEYARD.round += 1
     timeout = datetime.timedelta(seconds=connect_s or timeout_s)
@@ -280,6 +281,7 @@ class RoundAbandoned(RuntimeError):
 
 
 _ABANDONED = threading.Event()
+_GLOO = [False]  # this round's data group is gloo's (set as it forms: the watch thread asks no torch)
 _WAITERS: set[threading.Event] = set()
 _WAITERS_LOCK = threading.Lock()
 MAX_ABANDONED_GROUPS = 32  # each holds sockets until its timeouts: past this many, start afresh instead
@@ -312,15 +314,23 @@ def wait(work, gloo: bool | None = None) -> None:
     work.wait()  # done: returns at once, or raises the collective's own error
 
 
-def abandon_round() -> None:
+def this_round() -> tuple[int, int]:
+    """The round now under way, as `abandon_round` takes it: its group's number and its connections'."""
+    return _GRAVEYARD.round, round_number()
+
+
+def abandon_round(which: tuple[int, int] | None = None) -> None:
     """From any thread: every collective this process waits in (and any it starts) raises RoundAbandoned;
-    on gloo, one that torch waits on by itself fails too, its connections cut (graveyard.cut_round)."""
+    on gloo, one that torch waits on by itself fails too, its connections cut (graveyard.cut_round).
+    `which` (this_round()): nothing happens once a later round began (a watch thread of a round already over)."""
+    if which is not None and which[0] != _GRAVEYARD.round:
+        return
     _ABANDONED.set()
     with _WAITERS_LOCK:
         for done in _WAITERS:
             done.set()
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        cut_round()
+    if _GLOO[0]:
+        cut_round(round_number() if which is None else which[1])
 
 
 def teardown(abandoned: bool) -> str:

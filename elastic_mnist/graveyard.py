@@ -90,8 +90,8 @@ def drained(timeout_s: float = 10.0) -> bool:
 
 # -- a given-up round's connections ---------------------------------------------------------------------
 _FDS = "/proc/self/fd"
-_BEFORE: set[int] = set()
-_BEGUN: list[bool] = [False]
+_ROUND: list[tuple[int, frozenset]] = [(0, frozenset())]
+"""(the round's number, the inodes of the sockets this process held as it began), swapped whole."""
 
 
 def _sockets() -> dict[int, int]:
@@ -107,40 +107,51 @@ def _sockets() -> dict[int, int]:
     return out
 
 
-def begin_round() -> None:
-    """A round begins: what this process holds now is not the round's."""
-    _BEFORE.clear()
-    _BEFORE.update(_sockets().values())
-    _BEGUN[0] = True
+def begin_round() -> int:
+    """A round begins: what this process holds now is not the round's. Its number, for `cut_round`."""
+    number = _ROUND[0][0] + 1
+    _ROUND[0] = (number, frozenset(_sockets().values()))
+    return number
 
 
-def cut_round() -> int:
-    """From any thread: shut down (never close: their owners do) the round's TCP connections; how many. Nothing
-    before a round began."""
-    if not _BEGUN[0]:
+def round_number() -> int:
+    return _ROUND[0][0]
+
+
+def cut_round(number: int) -> int:
+    """From any thread: shut down (never close: their owners do) round `number`'s TCP connections; how many.
+    Nothing once a later round began (a watch thread of a round already over), nor before any did."""
+    current, before = _ROUND[0]
+    if number != current or not current:
         return 0
     cut_now = 0
     for fd, inode in _sockets().items():
-        if inode not in _BEFORE and _shut(fd, inode):
+        if inode not in before and _ROUND[0][0] == number and _shut(fd, inode):
             cut_now += 1
     return cut_now
 
 
 def _shut(fd: int, inode: int) -> bool:
+    """Shut down the TCP connection behind `fd` if it is still `inode`: through a duplicate, so a descriptor
+    closed and reused meanwhile is never the one shut down."""
     try:
-        if os.fstat(fd).st_ino != inode:
-            return False  # the descriptor was closed and reused meanwhile
-        sock = socket.socket(fileno=fd)
+        dup = os.dup(fd)
     except OSError:
+        return False  # closed meanwhile
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return False
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
         return False
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-            return False
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return False
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False  # not connected (yet, or any more)
-    finally:
-        sock.detach()
+    with sock:  # closes the duplicate only: the connection's owner still holds it
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                return False
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False  # a store's server outlives its round
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False  # not connected (yet, or any more)

@@ -16,14 +16,15 @@ def _pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
 def test_the_rounds_connections_are_cut_and_what_came_before_stays():
     listener = socket.create_server(("127.0.0.1", 0))
     older = _pair(listener)  # e.g. a connection the process held before the round
-    graveyard.begin_round()
+    number = graveyard.begin_round()
     round_listener = socket.create_server(("127.0.0.1", 0))  # a store's server: outlives its round
     client, server = _pair(round_listener)
     got: list[bytes] = []
     waiting = threading.Thread(target=lambda: got.append(client.recv(10)))  # a collective waiting on a peer
     waiting.start()
     try:
-        assert graveyard.cut_round() == 2  # the round's two ends, not its listener, not the older pair
+        assert graveyard.cut_round(number - 1) == 0, "a round already over cuts nothing of this one"
+        assert graveyard.cut_round(number) >= 2  # the round's two ends, not its listener, not the older pair
         waiting.join(timeout=10)
         assert not waiting.is_alive() and got == [b""], "the blocked receive ended at once"
         older[0].sendall(b"ok")
@@ -35,4 +36,4 @@ def test_the_rounds_connections_are_cut_and_what_came_before_stays():
     finally:
         for s in (listener, round_listener, client, server, *older):
             s.close()
-        graveyard._BEGUN[0] = False  # no round in this test process any more
+        graveyard.begin_round()  # a round in this test process holds nothing of this test's

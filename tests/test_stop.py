@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -121,16 +122,18 @@ def test_a_stop_for_the_agents_next_round_is_told_from_the_nodes_end(tmp_path, m
     monkeypatch.setenv(AGENT_DIR_ENV, str(tmp_path))
     stop = StopRequest()
     stop.install()
+    assert stop.snapshot() == (False, False, 0.0)
     _send(signal.SIGTERM)  # the node's own stop: no note from its agent
-    assert stop.node_ends and not stop.for_round and not stop.waited(60) and stop.waited(0)
+    requested, node_ends, since = stop.snapshot()
+    assert requested and node_ends and 0 < since <= time.monotonic()
     stop.spent()
     agent_link.mark_stopping(str(tmp_path), True)  # the agent restarts its workers for a join
     _send(signal.SIGTERM)
-    assert stop.requested and stop.for_round and not stop.node_ends
+    assert stop.snapshot()[:2] == (True, False) and stop.for_round
     stop.spent()
-    assert not stop.for_round
+    assert not stop.for_round and stop.snapshot()[0] is False
     _send(signal.SIGHUP)  # the agent died: not a stop the ranks wait on either
-    assert stop.orphaned and not stop.node_ends
+    assert stop.orphaned and stop.snapshot()[:2] == (True, False)
 
 
 @pytest.mark.parametrize("sums, world, expected", [

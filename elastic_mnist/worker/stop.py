@@ -72,8 +72,9 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process
         if signum != signal.SIGHUP and self.signum is not None:
             return  # already stopping (SIGTERM again, or after SIGHUP): keep the first reason and its timer
-        self.signum, self.since = signum, time.monotonic()
-        self.for_round = signum != signal.SIGHUP and agent_link.stopping_for_round()
+        # signum last: a snapshot that sees it sees the rest of this request
+        self.since, self.for_round = time.monotonic(), signum != signal.SIGHUP and agent_link.stopping_for_round()
+        self.signum = signum
         if signum == signal.SIGHUP:
             self._start_orphan_timer()
 
@@ -98,13 +99,13 @@ class StopRequest:
     def orphaned(self) -> bool:
         return self.signum == signal.SIGHUP
 
-    @property
-    def node_ends(self) -> bool:
-        """A stop of this node itself (a preemption, the job's end), not its agent's round change nor its death."""
-        return self.requested and not self.orphaned and not self.for_round
-
-    def waited(self, seconds: float) -> bool:
-        return self.requested and time.monotonic() - self.since >= seconds
+    def snapshot(self) -> tuple[bool, bool, float]:
+        """(requested, the node itself ends, since when), read at once: a stop of this node itself (a
+        preemption, the job's end), not its agent's round change (a join) nor its agent's death."""
+        signum = self.signum
+        if signum is None:
+            return False, False, 0.0
+        return True, signum != signal.SIGHUP and not self.for_round, self.since
 
     def spent(self) -> None:
         """The stop that ended a round is spent: a worker kept for the next round waits for another (a stop

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,8 @@ class Trainer:
         abort = distributed.abort_data_group if self.device.type == "cuda" else None
         self.failure = FailureHandoff(self._save_last_step, control, Bounds.of(config), self.metrics.warn, abort,
                                       exit=lambda code: agent_link.end_process(code, stopped=self.stop.requested),
-                                      unblock=distributed.abandon_round if in_place else None)
+                                      unblock=partial(distributed.abandon_round, distributed.this_round())
+                                      if in_place else None)
 
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +95,11 @@ class Trainer:
     def _agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
         """Global mean loss, and whether the ranks leave (a stop, or the group superseded): one all-reduce
         per step on the control plane, so all ranks decide alike at the same step (stop.verdict)."""
-        waits = self.stop.node_ends and self.in_place and not self.checkpoints.saves_alone
-        local = [float(loss_sum), float(self.stop.requested), float(self.superseded), float(waits),
-                 float(waits and self.stop.waited(self.config.stop_wait))]  # waits for the device
+        loss_here = float(loss_sum)  # waits for the device: a stop that comes meanwhile counts at this step
+        requested, node_ends, since = self.stop.snapshot()  # one read: a signal may come between any two
+        waits = node_ends and self.in_place and not self.checkpoints.saves_alone
+        waited = waits and time.monotonic() - since >= self.config.stop_wait
+        local = [loss_here, float(requested), float(self.superseded), float(waits), float(waited)]
         loss, stops, superseded, node_ends, waited_out = self.control.agree(local)
         self.superseded = superseded > 0
         verdict = "leave" if self.superseded else stop_verdict(stops, node_ends, waited_out, self.world_size)

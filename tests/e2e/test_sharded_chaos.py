@@ -50,9 +50,11 @@ def test_a_sharded_run_through_kill_join_and_preemption_reshards_in_memory_and_e
         ("kill", 3, 2), ("join", 2, 3), ("term", 3, 2)]
     assert events[0]["steps_redone"] <= 1 and [e["steps_redone"] for e in events[1:]] == [0, 0]
     assert all(e["breakdown"]["in_place"] for e in events), "every change kept the survivors' processes"
-    resumes = [r for r in read_records(str(tmp_path / "fsdp" / "tensorboard" / "events"))
-               if r.get("event") == "resume"]
+    journal = read_records(str(tmp_path / "fsdp" / "tensorboard" / "events"))
+    resumes = [r for r in journal if r.get("event") == "resume"]
     assert resumes and all(r["source"] == "memory" for r in resumes), "no change read a checkpoint"
+    waits = [r for r in journal if r.get("event") == "stop_waits"]
+    assert waits and {r["node"] for r in waits} == {"n0"}, "the preempted node waited out --stop-wait, alone"
     assert chaos["summary"]["global_step"] == STEPS and chaos["orphans"] == []
     assert_replays_plan(tmp_path / "fsdp", STEPS)
     ddp, fsdp = _losses(tmp_path / "ddp"), _losses(tmp_path / "fsdp")

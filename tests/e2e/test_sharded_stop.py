@@ -44,7 +44,7 @@ def _stop_all(job: Job, staggered: bool, after: int = -1) -> int:
 def test_a_sharded_job_stopped_whole_saves_its_last_step_also_when_the_stops_come_apart(
         tmp_path, small_mnist, etcd_server_v3only):
     job = Job(tmp_path, small_mnist, etcd_server_v3only.endpoint, "etcd-v3", 10_000, "--parallel=fsdp",
-              "--global-batch-size=64", "--min-step-time=0.05", "--stop-wait=30")
+              "--global-batch-size=64", "--min-step-time=0.05", "--stop-wait=10")
     try:
         job.start()
         procs.wait_for(lambda: len(_steps(job)) >= 4, 120, "both nodes training")
